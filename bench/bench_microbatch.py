@@ -1,0 +1,151 @@
+"""Micro-batch streaming on um_alloc vs the largest batch stock PyTorch fits, at one memory limit.
+
+    python bench/bench_microbatch.py                 # BERT-Large, seq 512, bf16, 16 GiB, mini-batch 256
+    python bench/bench_microbatch.py --quick         # fewer steps, mini-batch 64
+
+(a) stock PyTorch under set_per_process_memory_fraction(limit): the largest batch that trains is
+    searched, each probe a subprocess of bert_example/train.py (2 steps, so AdamW's state is
+    resident), so an out-of-memory never poisons the next probe; then that batch is timed.
+(b) um_alloc, same limit, --micro-batch auto at the mini-batch size.
+Both run here, one after the other on the same GPU; each writes a JSON into bench/results/ with
+the fields of DESIGN.md's benchmark protocol. Neither process uses more than the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "bert_example" / "train.py"
+EXIT_OOM = 3  # bert_example/train.py's exit status for out of memory
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--memory-limit", default="16GiB", help="GPU memory limit for both methods (default 16GiB)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--mini-batch", type=int, default=None, help="um_alloc's mini-batch (default 256; --quick 64)")
+    p.add_argument("--steps", type=int, default=None, help="timed run length, warm-up included (default 10; --quick 4)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the timing (default 2)")
+    p.add_argument("--stock-start", type=int, default=8, help="first batch the stock search tries (default 8)")
+    p.add_argument("--stock-max", type=int, default=512, help="largest batch the stock search tries")
+    p.add_argument("--policy", help="um_alloc policy (default: UM_POLICY, else none.yaml)")
+    p.add_argument("--quick", action="store_true", help="a short run to check the set-up")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    args.mini_batch = args.mini_batch or (64 if args.quick else 256)
+    args.steps = args.steps or (4 if args.quick else 10)
+    args.warmup_steps = min(args.warmup_steps, args.steps - 1)
+    return args
+
+
+def train(args, allocator: str, batch: int, steps: int, warmup: int, extra=()) -> dict | None:
+    """One train.py run in a subprocess; its summary, or None if it ran out of memory."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "summary.json"
+        command = [sys.executable, str(TRAIN), "--model", "large", "--seq-len", str(args.seq_len),
+                   "--allocator", allocator, "--memory-limit", args.memory_limit, "--batch-size", str(batch),
+                   "--steps", str(steps), "--warmup-steps", str(warmup), "--json", str(out), *extra]
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        if proc.returncode == EXIT_OOM:
+            return None
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed with exit status {proc.returncode}:\n"
+                               f"{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def _line(label: str, summary: dict | None) -> str:
+    if summary is None:
+        return f"{label}: out of memory"
+    gib = (summary["peak_reserved_bytes"] or 0) / 2**30
+    return (f"{label}: {summary['samples_per_s']:.1f} samples/s, {summary['step_s_median']:.3f} s/step, "
+            f"peak reserved {gib:.2f} GiB, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+
+
+def largest_stock_batch(args) -> int:
+    """Doubles from --stock-start until a batch runs out of memory (halving if the start already
+    does), then binary-searches between the largest fit and the smallest failure."""
+    fits, fails, batch = 0, None, args.stock_start
+    while fails is None or fails - fits > 1:
+        summary = train(args, "stock", batch, steps=2, warmup=1)
+        print(_line(f"[stock probe] batch {batch}", summary), flush=True)
+        if summary is not None:
+            fits = batch
+        else:
+            fails = batch
+        if fails is None and fits >= args.stock_max:
+            break
+        batch = min(fits * 2, args.stock_max) if fails is None else (fits + fails) // 2
+        if batch == 0:
+            raise RuntimeError(f"stock PyTorch cannot train even batch 1 in {args.memory_limit}")
+    return fits
+
+
+def run_stock(args) -> dict:
+    batch = largest_stock_batch(args)
+    while True:  # a longer run can still fail right at the edge: step down
+        summary = train(args, "stock", batch, args.steps, args.warmup_steps)
+        print(_line(f"[stock] batch {batch}", summary), flush=True)
+        if summary is not None:
+            return summary
+        batch -= 1
+        if batch == 0:
+            raise RuntimeError("stock PyTorch fitted a probe but no timed run")
+
+
+def run_um(args) -> dict:
+    extra = ["--micro-batch", "auto"] + (["--policy", args.policy] if args.policy else [])
+    summary = train(args, "um", args.mini_batch, args.steps, args.warmup_steps, extra)
+    if summary is None:
+        raise RuntimeError(f"um_alloc ran out of memory at mini-batch {args.mini_batch} with --micro-batch auto")
+    print(_line(f"[um_alloc] mini-batch {args.mini_batch} in micro-batches of {summary['micro_batch']}", summary),
+          flush=True)
+    return summary
+
+
+def result(summary: dict, stock_samples_per_s: float) -> dict:
+    """A summary of train.py in DESIGN.md's benchmark-protocol form."""
+    return {
+        "device": summary["device"], "date": summary["date"], "workload": summary["workload"],
+        "method": summary["method"] + ("+microbatch" if summary["micro_batch"] else ""),
+        "policy": summary["policy"], "batch": summary["batch"], "micro_batch": summary["micro_batch"],
+        "budget_bytes": summary["memory_limit_bytes"], "step_s_median": summary["step_s_median"],
+        "samples_per_s": summary["samples_per_s"],
+        "ratio_vs_stock": summary["samples_per_s"] / stock_samples_per_s,
+        "highwater_bytes": summary["device_used_delta_bytes"], "peak_reserved_bytes": summary["peak_reserved_bytes"],
+        "gpu_page_faults": None, "htod_bytes": None, "dtoh_bytes": None,  # profiling not built yet
+        "loss_first": summary["loss_first"], "loss_last": summary["loss_last"], "steps": summary["steps"],
+    }
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    print(f"micro-batch bench: BERT-Large seq {args.seq_len} bf16, limit {args.memory_limit}, "
+          f"{args.steps} steps ({args.warmup_steps} warm-up)", flush=True)
+    stock = run_stock(args)
+    um = run_um(args)
+    results = [result(stock, stock["samples_per_s"]), result(um, stock["samples_per_s"])]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    for entry in results:
+        method = entry["method"].replace("+", "_")  # file names that travel: letters, digits, . _ -
+        path = args.out / f"microbatch-{method}-{stamp}.json"
+        path.write_text(json.dumps(entry, indent=2) + "\n")
+        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    print(f"\n{'method':<22}{'batch':>7}{'micro':>7}{'samples/s':>11}{'vs stock':>10}")
+    for entry in results:
+        print(f"{entry['method']:<22}{entry['batch']:>7}{str(entry['micro_batch'] or '-'):>7}"
+              f"{entry['samples_per_s']:>11.1f}{entry['ratio_vs_stock']:>10.2f}")
+    print(f"on {stock['device']}, {stock['date']}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

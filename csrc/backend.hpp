@@ -1,0 +1,39 @@
+// The memory a chunk pool carves up, and the device operations it needs.
+//
+// Two implementations: ManagedBackend (cudaMallocManaged, cudaMemAdvise, prefetch, events)
+// and HostBackend (anonymous host mappings, operations only counted) so the pool's placement,
+// reuse and stream logic is tested on machines without a GPU.
+#pragma once
+#include <cstddef>
+#include <string>
+
+#include "advice.hpp"
+
+namespace um {
+
+using Stream = void*;  // a cudaStream_t on the managed backend; opaque elsewhere
+
+class MemoryBackend {
+ public:
+  virtual ~MemoryBackend() = default;
+
+  // Reserves `bytes` of address space; nullptr when refused (the pool turns that into OOM).
+  virtual void* reserve(size_t bytes) noexcept = 0;
+  // Returns a reservation. May synchronize the device (cudaFree does): never on the hot path.
+  virtual void release(void* base, size_t bytes) noexcept = 0;
+
+  // Makes work enqueued later on `waiter` start after the work already enqueued on `producer`,
+  // without blocking the host. Returns false and sets error() on failure.
+  virtual bool order_after(Stream waiter, Stream producer) noexcept = 0;
+  // Moves the hints on [p, p+n) from `from` to `to`, calling only for what differs.
+  virtual bool advise(void* p, size_t n, const Advice& from, const Advice& to) noexcept = 0;
+  virtual bool prefetch_to_gpu(void* p, size_t n, Stream s) noexcept = 0;
+
+  virtual const char* name() const noexcept = 0;
+  const std::string& error() const noexcept { return error_; }
+
+ protected:
+  std::string error_;
+};
+
+}  // namespace um

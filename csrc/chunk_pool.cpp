@@ -1,0 +1,446 @@
+#include "chunk_pool.hpp"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace um {
+namespace {
+
+constexpr size_t kSmallAlignment = 512;  // as PyTorch's caching allocator: keeps vector loads aligned
+
+size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+std::string format_bytes(uint64_t n) {
+  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) v /= 1024.0, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  return buf;
+}
+
+size_t chunk_index(const Arena* a, const char* p, size_t chunk) {
+  return static_cast<size_t>(p - a->base) / chunk;
+}
+
+}  // namespace
+
+void StreamSet::add(Stream s) {
+  if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+}
+
+void StreamSet::merge(const StreamSet& other) {
+  for (Stream s : other.streams) add(s);
+}
+
+ChunkPool::ChunkPool(std::unique_ptr<MemoryBackend> backend, PoolConfig config)
+    : backend_(std::move(backend)), config_(config) {
+  stats_.chunk_size = config_.chunk_size;
+  stats_.max_reserved_bytes = config_.max_reserved;
+}
+
+ChunkPool::~ChunkPool() {
+  // Every block is in a free set or live_, and every small chunk holds at least one of them.
+  std::set<Block*> blocks(free_runs_.begin(), free_runs_.end());
+  for (auto& [ptr, b] : live_) blocks.insert(b);
+  for (auto& set : free_small_) blocks.insert(set.begin(), set.end());
+  std::set<Block*> containers;
+  for (Block* b : blocks)
+    if (b->container) containers.insert(b->container);
+  for (Block* b : blocks) delete b;
+  for (Block* c : containers) delete c;
+  for (auto& a : arenas_) backend_->release(a->base, a->size);
+}
+
+// ---- allocation -------------------------------------------------------------------------------
+
+void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes == 0) bytes = 1;  // a distinct address per request, as cudaMalloc callers expect
+  void* p = bytes <= config_.chunk_size / 2 ? allocate_small(bytes, stream, tag, err)
+                                            : allocate_large(bytes, stream, tag, err);
+  if (!p && err->kind == UM_ERR_OOM) {
+    ++stats_.num_ooms;
+    err->message = oom_message(bytes, tag);
+  }
+  return p;
+}
+
+void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, AllocError* err) {
+  Block* b = take_chunk_run(round_up(bytes, config_.chunk_size), stream, tag, err);
+  if (!b) return nullptr;
+  b->requested = bytes;
+  live_.emplace(b->ptr, b);
+  count_live(b, +1);
+  return b->ptr;
+}
+
+void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError* err) {
+  const size_t rounded = round_up(bytes, kSmallAlignment);
+  FreeSet& free_set = free_small_[static_cast<int>(tag)];
+  Block* b = find_fit(free_set, rounded);
+  if (b) {
+    free_set.erase(b);
+    order_for_reuse(b, stream);
+  } else {
+    Block* chunk = take_chunk_run(config_.chunk_size, stream, tag, err);
+    if (!chunk) return nullptr;
+    chunk->is_container = true;
+    stats_.held_bytes[static_cast<int>(tag)] += chunk->size;
+    ++stats_.small_chunks;
+    b = new Block(chunk->ptr, chunk->size, chunk->arena);
+    b->container = chunk;
+    b->streams.reset(stream);
+  }
+  split(b, rounded, free_set);
+  b->allocated = true;
+  b->tag = tag;
+  b->requested = bytes;
+  live_.emplace(b->ptr, b);
+  count_live(b, +1);
+  return b->ptr;
+}
+
+// A run of whole chunks for `tag`, ordered after its previous users and carrying the tag's hints.
+Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, AllocError* err) {
+  Block* b = find_fit(free_runs_, rounded);
+  if (!b) b = grow(rounded);
+  // Cached arenas may hold the cap while no free run fits: return them and try once more.
+  if (!b && release_free_arenas() > 0) b = grow(rounded);
+  if (!b) {
+    err->kind = UM_ERR_OOM;  // allocate() writes the message, with the size the caller asked for
+    return nullptr;
+  }
+  free_runs_.erase(b);
+  split(b, rounded, free_runs_);
+  order_for_reuse(b, stream);
+  b->allocated = true;
+  b->tag = tag;
+  apply_tag(b, tag, stream);
+  return b;
+}
+
+Block* ChunkPool::find_fit(FreeSet& set, size_t size) {
+  Block key(nullptr, size, nullptr);
+  auto it = set.lower_bound(&key);
+  return it == set.end() ? nullptr : *it;
+}
+
+// A new arena, inserted into free_runs_ as one free run; nullptr if the cap or the backend refuses.
+Block* ChunkPool::grow(size_t rounded) {
+  size_t size = std::max(config_.arena_size, rounded);
+  if (stats_.reserved_bytes + size > config_.max_reserved) size = rounded;  // a smaller one may fit
+  if (stats_.reserved_bytes + size > config_.max_reserved) return nullptr;
+  void* base = backend_->reserve(size);
+  if (!base) {
+    note_backend_failure();
+    return nullptr;
+  }
+  auto arena = std::make_unique<Arena>(
+      Arena{static_cast<char*>(base), size, std::vector<ChunkState>(size / config_.chunk_size)});
+  Block* b = new Block(arena->base, size, arena.get());
+  arenas_.push_back(std::move(arena));
+  stats_.reserved_bytes += size;
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  free_runs_.insert(b);
+  return b;
+}
+
+// Cuts `b` down to `size` bytes; the rest becomes a free neighbour in `set`.
+void ChunkPool::split(Block* b, size_t size, FreeSet& set) {
+  if (b->size == size) return;
+  Block* rest = new Block(b->ptr + size, b->size - size, b->arena);
+  rest->container = b->container;
+  rest->streams = b->streams;  // whoever might touch the whole might touch the rest
+  rest->prev = b;
+  rest->next = b->next;
+  if (b->next) b->next->prev = rest;
+  b->next = rest;
+  b->size = size;
+  set.insert(rest);
+}
+
+// Stream order: waits only where another stream may still use the memory.
+void ChunkPool::order_for_reuse(Block* b, Stream stream) {
+  for (Stream other : b->streams.streams) {
+    if (other == stream) continue;
+    ++stats_.stream_waits;
+    if (!backend_->order_after(stream, other)) note_backend_failure();
+  }
+  b->streams.reset(stream);
+}
+
+// ---- hints ------------------------------------------------------------------------------------
+
+void ChunkPool::apply_tag(Block* run, Tag tag, Stream stream) {
+  const TagPolicy& policy = policies_[static_cast<int>(tag)];
+  const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
+  const size_t end = first + run->size / config_.chunk_size;
+  advise_chunks(run->arena, first, end, policy.advice);
+  if (policy.prefetch) prefetch_chunks(run->arena, first, end, stream);
+}
+
+// One cudaMemAdvise sequence per run of chunks that share their current hints; chunks that
+// already carry the wanted hints cost nothing, so steady-state reuse makes no calls.
+void ChunkPool::advise_chunks(Arena* a, size_t first, size_t end, const Advice& want) {
+  const size_t chunk = config_.chunk_size;
+  for (size_t i = first; i < end;) {
+    const Advice have = a->chunks[i].applied;
+    size_t j = i;
+    while (j < end && a->chunks[j].applied == have) ++j;
+    if (have != want) {
+      ++stats_.advise_calls;
+      // A failed hint is counted and reported, not retried: hints never change correctness.
+      if (!backend_->advise(a->base + i * chunk, (j - i) * chunk, have, want)) note_backend_failure();
+      for (size_t k = i; k < j; ++k) a->chunks[k].applied = want;
+    }
+    i = j;
+  }
+}
+
+void ChunkPool::prefetch_chunks(Arena* a, size_t first, size_t end, Stream stream) {
+  const size_t chunk = config_.chunk_size;
+  for (size_t i = first; i < end;) {
+    if (a->chunks[i].residency == Residency::gpu) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < end && a->chunks[j].residency != Residency::gpu) ++j;
+    ++stats_.prefetch_calls;
+    stats_.prefetch_bytes += (j - i) * chunk;
+    if (!backend_->prefetch_to_gpu(a->base + i * chunk, (j - i) * chunk, stream)) note_backend_failure();
+    for (size_t k = i; k < j; ++k) a->chunks[k].residency = Residency::gpu;
+    i = j;
+  }
+}
+
+void ChunkPool::set_tag_policy(Tag tag, const TagPolicy& policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  policies_[static_cast<int>(tag)] = policy;
+}
+
+void ChunkPool::note_backend_failure() {
+  ++stats_.backend_errors;
+  backend_error_ = backend_->error();
+}
+
+std::string ChunkPool::backend_error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backend_error_;
+}
+
+// ---- release ----------------------------------------------------------------------------------
+
+bool ChunkPool::deallocate(void* ptr) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(static_cast<char*>(ptr));
+  if (it == live_.end()) return false;
+  Block* b = it->second;
+  live_.erase(it);
+  count_live(b, -1);
+  b->allocated = false;
+  if (b->container)
+    release_small(b);
+  else
+    release_chunk_run(b);
+  return true;
+}
+
+void ChunkPool::release_chunk_run(Block* b) {
+  b->allocated = false;
+  b->is_container = false;
+  merge_into_free(b, free_runs_);
+}
+
+// A small block goes back to its chunk; a chunk left wholly free goes back to the chunk runs,
+// where any size can use it.
+void ChunkPool::release_small(Block* b) {
+  FreeSet& set = free_small_[static_cast<int>(b->container->tag)];
+  b = merge_into_free(b, set);
+  if (b->prev || b->next) return;
+  set.erase(b);
+  Block* chunk = b->container;
+  chunk->streams = b->streams;  // everyone who used any part of the chunk
+  delete b;
+  stats_.held_bytes[static_cast<int>(chunk->tag)] -= chunk->size;
+  --stats_.small_chunks;
+  release_chunk_run(chunk);
+}
+
+// Joins `b` with free neighbours; the result carries every stream that touched its parts.
+Block* ChunkPool::merge_into_free(Block* b, FreeSet& set) {
+  for (Block* n : {b->prev, b->next}) {
+    if (!n || n->allocated) continue;
+    set.erase(n);
+    if (n == b->prev) {
+      b->ptr = n->ptr;
+      b->prev = n->prev;
+      if (n->prev) n->prev->next = b;
+    } else {
+      b->next = n->next;
+      if (n->next) n->next->prev = b;
+    }
+    b->size += n->size;
+    b->streams.merge(n->streams);
+    delete n;
+  }
+  set.insert(b);
+  return b;
+}
+
+size_t ChunkPool::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return release_free_arenas();
+}
+
+// Returns arenas that are one free run. cudaFree synchronizes the device, which is also what
+// makes this safe while other streams may still be finishing work on that memory.
+size_t ChunkPool::release_free_arenas() {
+  std::vector<Block*> whole;
+  for (Block* b : free_runs_)
+    if (!b->prev && !b->next) whole.push_back(b);
+  size_t released = 0;
+  for (Block* b : whole) {
+    free_runs_.erase(b);
+    Arena* a = b->arena;
+    backend_->release(a->base, a->size);
+    released += a->size;
+    stats_.reserved_bytes -= a->size;
+    delete b;
+    arenas_.erase(std::find_if(arenas_.begin(), arenas_.end(),
+                               [a](const std::unique_ptr<Arena>& p) { return p.get() == a; }));
+  }
+  return released;
+}
+
+// ---- tags, streams, queries -------------------------------------------------------------------
+
+bool ChunkPool::record_stream(void* ptr, Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(static_cast<char*>(ptr));
+  if (it == live_.end()) return false;
+  it->second->streams.add(stream);
+  return true;
+}
+
+Block* ChunkPool::live_block_containing(const void* ptr) const {
+  const char* p = static_cast<const char*>(ptr);
+  auto it = live_.upper_bound(const_cast<char*>(p));
+  if (it == live_.begin()) return nullptr;
+  Block* b = std::prev(it)->second;
+  return p < b->ptr + std::max<size_t>(b->requested, 1) ? b : nullptr;
+}
+
+bool ChunkPool::retag(const void* ptr, Tag tag, Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return retag_locked(ptr, tag, stream);
+}
+
+size_t ChunkPool::retag_many(const void* const* ptrs, size_t n, Tag tag, Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t found = 0;
+  for (size_t i = 0; i < n; ++i) found += retag_locked(ptrs[i], tag, stream);
+  return found;
+}
+
+bool ChunkPool::retag_locked(const void* ptr, Tag tag, Stream stream) {
+  Block* b = live_block_containing(ptr);
+  if (!b) return false;
+  if (b->tag == tag) return true;
+  move_accounting(b, tag);
+  b->tag = tag;
+  // A small block shares its chunk's hints with its neighbours, so only its accounting moves.
+  if (!b->container) apply_tag(b, tag, stream);
+  return true;
+}
+
+bool ChunkPool::block_at(const void* ptr, um_block_info* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Block* b = live_block_containing(ptr);
+  if (!b) return false;
+  const Block* run = b->container ? b->container : b;
+  out->base = reinterpret_cast<uint64_t>(b->ptr);
+  out->size = b->size;
+  out->requested = b->requested;
+  out->tag = static_cast<int32_t>(b->tag);
+  out->is_small = b->container != nullptr;
+  out->residency = static_cast<int32_t>(
+      run->arena->chunks[chunk_index(run->arena, b->ptr, config_.chunk_size)].residency);
+  return true;
+}
+
+std::vector<um_range> ChunkPool::ranges_for_tag(Tag tag) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<um_range> out;
+  for (auto& [ptr, b] : live_)
+    if (b->tag == tag) out.push_back({reinterpret_cast<uint64_t>(ptr), b->requested});
+  return out;
+}
+
+// ---- statistics -------------------------------------------------------------------------------
+
+// Live bytes count what was asked for; held bytes count whole chunks (small chunks are counted
+// when they are opened), so held - live is the rounding waste that chunking bounds.
+void ChunkPool::count_live(Block* b, int sign) {
+  const int t = static_cast<int>(b->tag);
+  const bool small = b->container != nullptr;
+  if (sign > 0) {
+    stats_.live_bytes[t] += b->requested;
+    stats_.live_bytes_total += b->requested;
+    ++stats_.allocations[t];
+    stats_.peak_live_bytes[t] = std::max(stats_.peak_live_bytes[t], stats_.live_bytes[t]);
+    stats_.peak_live_bytes_total = std::max(stats_.peak_live_bytes_total, stats_.live_bytes_total);
+    if (!small) stats_.held_bytes[t] += b->size;
+    ++(small ? stats_.small_blocks : stats_.large_blocks);
+  } else {
+    stats_.live_bytes[t] -= b->requested;
+    stats_.live_bytes_total -= b->requested;
+    ++stats_.frees[t];
+    if (!small) stats_.held_bytes[t] -= b->size;
+    --(small ? stats_.small_blocks : stats_.large_blocks);
+  }
+}
+
+void ChunkPool::move_accounting(Block* b, Tag to_tag) {
+  const int from = static_cast<int>(b->tag), to = static_cast<int>(to_tag);
+  stats_.live_bytes[from] -= b->requested;
+  stats_.live_bytes[to] += b->requested;
+  stats_.peak_live_bytes[to] = std::max(stats_.peak_live_bytes[to], stats_.live_bytes[to]);
+  if (!b->container) {
+    stats_.held_bytes[from] -= b->size;
+    stats_.held_bytes[to] += b->size;
+  }
+}
+
+um_stats ChunkPool::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  um_stats s = stats_;
+  uint64_t held = 0;
+  for (int t = 0; t < kNumTags; ++t) held += s.held_bytes[t];
+  s.arena_count = arenas_.size();
+  s.free_chunk_bytes = s.reserved_bytes - held;
+  s.internal_waste_bytes = held - s.live_bytes_total;
+  s.internal_waste_bound_bytes = (s.large_blocks + s.small_chunks) * config_.chunk_size;
+  s.fragmentation_bytes = s.reserved_bytes - s.live_bytes_total;
+  s.largest_free_run_bytes = free_runs_.empty() ? 0 : (*free_runs_.rbegin())->size;
+  return s;
+}
+
+std::string ChunkPool::oom_message(size_t bytes, Tag tag) const {
+  std::string m = "um_alloc: out of memory: tried to allocate " + format_bytes(bytes) + " (tag " +
+                  tag_name(tag) + "); reserved " + format_bytes(stats_.reserved_bytes) + " of a " +
+                  format_bytes(config_.max_reserved) + " limit (pool.max_reserved); live " +
+                  format_bytes(stats_.live_bytes_total) + ":";
+  for (int t = 0; t < kNumTags; ++t)
+    if (stats_.live_bytes[t]) m += std::string(" ") + tag_name(Tag(t)) + " " + format_bytes(stats_.live_bytes[t]);
+  m += "; largest free run " +
+       format_bytes(free_runs_.empty() ? 0 : (*free_runs_.rbegin())->size) + ".";
+  if (!backend_error_.empty()) m += " Last device error: " + backend_error_ + ".";
+  m += " Lower the batch size, use micro-batches, or raise pool.max_reserved "
+       "(oversubscribe: true only on a GPU you do not share).";
+  return m;
+}
+
+}  // namespace um

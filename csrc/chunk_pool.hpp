@@ -1,0 +1,138 @@
+// A pool of managed memory carved into fixed-size chunks (Hayakawa & Narihira §4).
+//
+// Large requests (> chunk_size / 2) are rounded up to whole chunks and placed on contiguous
+// chunk runs, so a request wastes less than one chunk. Small requests are sub-allocated in
+// chunks set aside for one tag at a time, so a chunk carries one tag's hints. Free runs merge
+// with free neighbours and serve any size later. Arenas (cudaMallocManaged calls) are made
+// only when no free run fits, and returned only by empty_cache() or to make room under the cap.
+//
+// Streams: a block freed by stream S is reused at once by S; another stream T first waits on S
+// through an event (never a host wait). record_stream adds streams the block must wait for.
+#pragma once
+#include <array>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "advice.hpp"
+#include "backend.hpp"
+#include "tags.hpp"
+#include "um_alloc.h"
+
+namespace um {
+
+struct PoolConfig {
+  size_t chunk_size = size_t(2) << 20;
+  size_t arena_size = size_t(1) << 30;
+  size_t max_reserved = SIZE_MAX;  // cap on all arenas together
+};
+
+// Where the pool believes a chunk's pages are; the scheduler will keep this current.
+enum class Residency : uint8_t { untouched, gpu, host };
+
+struct ChunkState {
+  Advice applied;  // hints currently set on the chunk
+  Residency residency = Residency::untouched;
+};
+
+struct Arena {
+  char* base;
+  size_t size;
+  std::vector<ChunkState> chunks;
+};
+
+// The streams that may still touch a block; nearly always one.
+struct StreamSet {
+  std::vector<Stream> streams;
+  void add(Stream s);
+  void merge(const StreamSet& other);
+  void reset(Stream s) { streams.assign(1, s); }
+};
+
+struct Block {
+  Block(char* p, size_t n, Arena* a) : ptr(p), size(n), arena(a) {}
+  char* ptr;
+  size_t size;
+  Arena* arena;
+  Block* prev = nullptr;  // address neighbours in the same run list (arena, or one small chunk)
+  Block* next = nullptr;
+  Block* container = nullptr;  // small blocks: the chunk they live in
+  size_t requested = 0;
+  Tag tag = kDefaultTag;
+  bool allocated = false;
+  bool is_container = false;  // a chunk holding small blocks
+  StreamSet streams;
+};
+
+struct BySizeThenAddress {
+  bool operator()(const Block* a, const Block* b) const {
+    return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+  }
+};
+using FreeSet = std::set<Block*, BySizeThenAddress>;
+
+struct AllocError {
+  um_error_kind kind = UM_OK;
+  std::string message;
+};
+
+class ChunkPool {
+ public:
+  ChunkPool(std::unique_ptr<MemoryBackend> backend, PoolConfig config);
+  ~ChunkPool();
+  ChunkPool(const ChunkPool&) = delete;
+  ChunkPool& operator=(const ChunkPool&) = delete;
+
+  // Returns nullptr and fills `err` when the request cannot be met.
+  void* allocate(size_t bytes, Stream stream, Tag tag, AllocError* err);
+  bool deallocate(void* ptr) noexcept;  // false: not a live allocation of this pool
+  bool record_stream(void* ptr, Stream stream);
+  // Moves the allocation containing `ptr` to `tag` and applies that tag's hints (large blocks).
+  bool retag(const void* ptr, Tag tag, Stream stream);
+  // retag() for many allocations under one lock; returns how many were found.
+  size_t retag_many(const void* const* ptrs, size_t n, Tag tag, Stream stream);
+  bool block_at(const void* ptr, um_block_info* out) const;
+  std::vector<um_range> ranges_for_tag(Tag tag) const;
+  size_t empty_cache();  // bytes returned
+  um_stats stats() const;
+  void set_tag_policy(Tag tag, const TagPolicy& policy);
+  std::string backend_error() const;
+
+ private:
+  void* allocate_large(size_t bytes, Stream stream, Tag tag, AllocError* err);
+  void* allocate_small(size_t bytes, Stream stream, Tag tag, AllocError* err);
+  Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, AllocError* err);
+  Block* grow(size_t rounded);
+  Block* find_fit(FreeSet& set, size_t size);
+  void split(Block* b, size_t size, FreeSet& set);
+  Block* merge_into_free(Block* b, FreeSet& set);
+  void release_chunk_run(Block* b);
+  void release_small(Block* b);
+  size_t release_free_arenas();
+  void order_for_reuse(Block* b, Stream stream);
+  void apply_tag(Block* run, Tag tag, Stream stream);
+  void advise_chunks(Arena* a, size_t first, size_t end, const Advice& want);
+  void prefetch_chunks(Arena* a, size_t first, size_t end, Stream stream);
+  void count_live(Block* b, int sign);
+  void move_accounting(Block* b, Tag to_tag);
+  bool retag_locked(const void* ptr, Tag tag, Stream stream);
+  void note_backend_failure();
+  Block* live_block_containing(const void* ptr) const;
+  std::string oom_message(size_t bytes, Tag tag) const;
+
+  mutable std::mutex mu_;
+  std::unique_ptr<MemoryBackend> backend_;
+  PoolConfig config_;
+  std::array<TagPolicy, kNumTags> policies_{};
+  std::vector<std::unique_ptr<Arena>> arenas_;
+  FreeSet free_runs_;                          // free chunk runs, any arena
+  std::array<FreeSet, kNumTags> free_small_;   // free space inside each tag's small chunks
+  std::map<char*, Block*> live_;               // allocations handed out, by address
+  um_stats stats_{};
+  std::string backend_error_;
+};
+
+}  // namespace um

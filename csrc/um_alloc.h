@@ -1,0 +1,89 @@
+/* The C interface of the um_alloc core: what Python (ctypes) and PyTorch's pluggable allocator call.
+ *
+ * Nothing here throws. Functions that can fail return NULL or a negative number and leave a
+ * message in um_last_error() (per thread). Sizes are bytes; streams are cudaStream_t handles
+ * (opaque on the host backend). Tags are the indices of um_alloc.tags.TAGS.
+ */
+#ifndef UM_ALLOC_H
+#define UM_ALLOC_H
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define UM_NUM_TAGS 6
+
+typedef struct um_pool um_pool; /* opaque */
+
+typedef enum { UM_OK = 0, UM_ERR_OOM = 1, UM_ERR_CUDA = 2, UM_ERR_INVALID = 3 } um_error_kind;
+
+typedef struct {
+  int8_t preferred_location; /* 0 none, 1 gpu, 2 cpu */
+  uint8_t read_mostly, accessed_by_gpu, accessed_by_cpu, prefetch;
+} um_tag_policy;
+
+typedef struct {
+  uint64_t base, size, requested; /* size: bytes the block occupies; requested: bytes asked for */
+  int32_t tag, is_small, residency; /* residency of its first chunk: 0 untouched, 1 gpu, 2 host */
+} um_block_info;
+
+typedef struct {
+  uint64_t base, bytes;
+} um_range;
+
+typedef struct {
+  /* per tag: bytes asked for and still live, their peak, whole chunks held, counts */
+  uint64_t live_bytes[UM_NUM_TAGS], peak_live_bytes[UM_NUM_TAGS], held_bytes[UM_NUM_TAGS];
+  uint64_t allocations[UM_NUM_TAGS], frees[UM_NUM_TAGS];
+  uint64_t live_bytes_total, peak_live_bytes_total;
+  uint64_t reserved_bytes, peak_reserved_bytes, max_reserved_bytes, arena_count;
+  uint64_t chunk_size, large_blocks, small_chunks, small_blocks;
+  /* fragmentation = reserved - live = internal waste (held - live) + free chunks */
+  uint64_t fragmentation_bytes, internal_waste_bytes, internal_waste_bound_bytes, free_chunk_bytes;
+  uint64_t largest_free_run_bytes;
+  uint64_t num_ooms, advise_calls, prefetch_calls, prefetch_bytes, stream_waits, backend_errors;
+} um_stats;
+
+/* Pools. A host pool runs the same placement logic over host mappings, for tests. */
+um_pool* um_pool_create_host(size_t chunk_size, size_t arena_size, size_t max_reserved);
+um_pool* um_pool_create_managed(int device, size_t chunk_size, size_t arena_size, size_t max_reserved);
+um_pool* um_pool_for_device(int device); /* the pool PyTorch allocates from; created on first use */
+void um_pool_destroy(um_pool* pool); /* pools made by the create functions */
+
+void* um_pool_malloc(um_pool* pool, size_t bytes, void* stream, int tag);
+int um_pool_free(um_pool* pool, void* ptr);
+int um_pool_record_stream(um_pool* pool, void* ptr, void* stream);
+int um_pool_retag(um_pool* pool, void* ptr, int tag, void* stream);
+/* Retags n allocations under one lock (one call per training step, not one per tensor); returns how many were found. */
+size_t um_pool_retag_many(um_pool* pool, void* const* ptrs, size_t n, int tag, void* stream);
+int um_pool_block_at(um_pool* pool, const void* ptr, um_block_info* out);
+size_t um_pool_ranges_for_tag(um_pool* pool, int tag, um_range* out, size_t capacity);
+size_t um_pool_empty_cache(um_pool* pool);
+void um_pool_stats(um_pool* pool, um_stats* out);
+int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
+const char* um_pool_backend_error(um_pool* pool);
+
+/* Settings for device pools; must precede the first device allocation. */
+int um_configure(size_t chunk_size, size_t arena_size, size_t max_reserved);
+int um_set_default_tag_policy(int tag, um_tag_policy policy);
+void um_set_current_tag(int tag);
+int um_current_tag(void);
+int um_num_tags(void);
+const char* um_tag_name(int tag);
+size_t um_stats_size(void); /* sizeof(um_stats), so Python can check its mirror */
+
+const char* um_last_error(void);
+int um_last_error_kind(void);
+
+/* PyTorch's CUDAPluggableAllocator hooks (torch_shim.cpp). */
+void* um_torch_malloc(size_t bytes, int device, void* stream);
+void um_torch_free(void* ptr, size_t bytes, int device, void* stream);
+void um_torch_empty_cache(void);
+void um_torch_record_stream(void* ptr, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

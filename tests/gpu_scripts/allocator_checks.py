@@ -1,0 +1,122 @@
+"""GPU checks of the installed allocator, one per fresh process (install must precede CUDA work).
+
+Run: python tests/gpu_scripts/allocator_checks.py CHECK. Prints one JSON line of findings;
+tests/test_gpu_allocator.py asserts on them. Exits non-zero on an unexpected exception.
+"""
+import json
+import sys
+
+import torch
+
+import um_alloc
+
+MiB = 1 << 20
+
+
+def range_attribute(ptr: int, nbytes: int, attribute: str, size: int = 4):
+    from cuda.bindings import runtime as rt
+
+    err, value = rt.cudaMemRangeGetAttribute(size, getattr(rt.cudaMemRangeAttribute, attribute), ptr, nbytes)
+    assert err == rt.cudaError_t.cudaSuccess, f"cudaMemRangeGetAttribute({attribute}): {err}"
+    return value
+
+
+def check_advice():
+    """The hints best.yaml asks for, read back from the driver."""
+    um_alloc.install("best.yaml")
+    with um_alloc.tag("parameter"):
+        weight = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    batch = torch.empty(6 * MiB, dtype=torch.uint8, device="cuda")  # born an activation
+    before_retag = range_attribute(batch.data_ptr(), batch.numel(), "cudaMemRangeAttributeReadMostly")
+    um_alloc.retag({"input_ids": batch}, "input")
+    activation = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+    accessed = range_attribute(weight.data_ptr(), weight.numel(), "cudaMemRangeAttributeAccessedBy", 4 * 4)
+    return {
+        "parameter_preferred": range_attribute(weight.data_ptr(), weight.numel(),
+                                               "cudaMemRangeAttributePreferredLocation"),
+        "parameter_accessed_by": [d for d in accessed if d >= 0],
+        "input_read_mostly_before_retag": before_retag,
+        "input_read_mostly": range_attribute(batch.data_ptr(), batch.numel(), "cudaMemRangeAttributeReadMostly"),
+        "activation_preferred": range_attribute(activation.data_ptr(), activation.numel(),
+                                                "cudaMemRangeAttributePreferredLocation"),
+        "activation_last_prefetch": range_attribute(activation.data_ptr(), activation.numel(),
+                                                    "cudaMemRangeAttributeLastPrefetchLocation"),
+        "block_tag": um_alloc.block_at(batch.data_ptr() + 100).tag,
+        "backend_errors": um_alloc.memory_stats()["backend_errors"],
+    }
+
+
+def check_oom():
+    """Hitting the cap raises torch.OutOfMemoryError; training carries on after it."""
+    um_alloc.install("none.yaml", max_reserved="1GiB")
+    model = torch.nn.Linear(1024, 1024, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hog = []
+    message = ""
+    try:
+        while True:
+            hog.append(torch.empty(64 * MiB, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError as e:
+        message = str(e)
+    held = len(hog)
+    del hog
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(64, 1024, device="cuda")).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    stats = um_alloc.memory_stats()
+    return {"message": message, "held_before_oom": held, "losses": losses,
+            "num_ooms": stats["num_ooms"], "limit": stats["limit_bytes"],
+            "peak_reserved": stats["peak_reserved_bytes"]}
+
+
+def check_record_stream():
+    """A block used on a side stream and freed on the main one is not reused too early."""
+    um_alloc.install("none.yaml")
+    n = 16 * MiB
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    a = torch.ones(n, device="cuda")
+    a_ptr = a.data_ptr()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy so a racing reuse would win
+        b = a * 2
+    a.record_stream(side)
+    del a
+    c = torch.zeros(n, device="cuda")  # reuses a's memory on the main stream
+    reused = c.data_ptr() == a_ptr
+    torch.cuda.synchronize()
+    return {"reused_address": reused, "b_all_two": bool((b == 2).all().item()),
+            "stream_waits": um_alloc.memory_stats()["stream_waits"]}
+
+
+def check_empty_cache_and_stats():
+    um_alloc.install("none.yaml")
+    x = torch.empty(3 * 1024 * MiB, dtype=torch.uint8, device="cuda")
+    before = um_alloc.memory_stats()
+    del x
+    torch.cuda.empty_cache()
+    after = um_alloc.memory_stats()
+    summary = um_alloc.memory_summary()
+    return {"reserved_before": before["reserved_bytes"], "reserved_after": after["reserved_bytes"],
+            "live_before": before["live_bytes"], "live_after": after["live_bytes"],
+            "summary_has_tags": all(t in summary for t in um_alloc.TAGS)}
+
+
+def check_install_after_cuda():
+    torch.zeros(1, device="cuda")
+    try:
+        um_alloc.install("none.yaml")
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    print(json.dumps(CHECKS[sys.argv[1]]()))

@@ -1,0 +1,231 @@
+"""`python -m um_alloc check|info` and the device queries behind them (faked without a GPU)."""
+
+import ast
+import enum
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import um_alloc.__main__ as cli
+from um_alloc import device_info
+from um_alloc.device_info import DeviceMemory, device_memory, unified_memory_capabilities
+from um_alloc.policy import GiB
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if k != "UM_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "um_alloc", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+# ---------------------------------------------------------------- check, as a user runs it
+def test_check_shipped_policies_exit_0():
+    result = run_cli("check", "best", "none", ROOT / "policies" / "worst.yaml")
+    assert result.returncode == 0, result.stderr
+    lines = [l for l in result.stdout.splitlines() if l.startswith("ok  ")]
+    assert len(lines) == 3
+    assert lines[0].startswith("ok  best  (chunk 2.0 MiB, arena 1.0 GiB")
+    assert "parameter=gpu/by:gpu/prefetch" in lines[0] and "input=read_mostly/prefetch" in lines[0]
+    assert lines[1].endswith("advice: none)")
+    assert "activation=cpu/by:cpu" in lines[2]
+    assert result.stderr == ""
+
+
+def test_check_reports_every_bad_file_and_exits_1(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tags:\n  parameter:\n    preferred_location: gpuu\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pool: {chunk_size: 2MiB\n")
+    result = run_cli("check", bad, "best", broken, tmp_path / "absent.yaml")
+    assert result.returncode == 1
+    assert "ok  best  (" in result.stdout                       # good files still reported
+    err = result.stderr
+    assert f"FAIL  {bad}: tags.parameter.preferred_location: invalid value" in err
+    assert "got 'gpuu'; allowed: gpu, cpu, none" in err
+    assert f"FAIL  {broken}: line 2, column 1: YAML syntax error" in err
+    assert "absent.yaml: policy file not found; packaged policies: best, none, worst" in err
+    assert "3 of 4 policies failed" in err
+
+
+def test_check_against_given_device_memory(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("scheduler: {budget: 12GiB}\n")
+    small = run_cli("check", "--device-memory", "8GiB", big)
+    assert small.returncode == 1
+    assert "checking against device memory: --device-memory 8.0 GiB" in small.stdout
+    assert "scheduler.budget: larger than device memory (8.0 GiB, 8589934592 bytes)" in small.stderr
+    large = run_cli("check", "--device-memory", "16GiB", big)
+    assert large.returncode == 0 and "budget 12.0 GiB" in large.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ((), "the following arguments are required: COMMAND"),
+    (("check",), "the following arguments are required: FILE"),
+    (("frobnicate",), "invalid choice: 'frobnicate'"),
+    (("check", "--device-memory", "8GB", "best"), "'8GB' is ambiguous: write 8GiB"),
+])
+def test_usage_errors_exit_2(args, fragment):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert fragment in result.stderr
+
+
+# ---------------------------------------------------------------- info, as a user runs it
+@pytest.fixture
+def no_gpu():
+    if device_memory(0) is not None:
+        pytest.skip("a GPU is visible to NVML; this test covers GPU-less machines")
+
+
+def test_info_without_gpu_exits_1(no_gpu):
+    result = run_cli("info")
+    if result.returncode == 0:           # a device NVML could not see, but CUDA can
+        pytest.skip("a CUDA device exists")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("um_alloc info: ")
+    assert any(reason in result.stderr for reason in (
+        "no NVIDIA driver found", "no usable CUDA device", "cuda-bindings is not installed"))
+
+
+@pytest.mark.gpu
+def test_info_on_gpu(cuda_device):
+    result = run_cli("info")
+    assert result.returncode == 0, result.stderr
+    assert "concurrentManagedAccess:" in result.stdout and "compute_capability:" in result.stdout
+
+
+# ---------------------------------------------------------------- in-process, with a fake device
+def test_check_uses_nvml_device(monkeypatch, tmp_path, capsys):
+    fake = DeviceMemory(total_bytes=16 * GiB, free_bytes=15 * GiB, used_bytes=GiB, name="FakeGPU")
+    monkeypatch.setattr(cli, "device_memory", lambda index: fake)
+    policy = tmp_path / "p.yaml"
+    policy.write_text("scheduler: {budget: 20GiB}\n")
+    assert cli.main(["check", "none", str(policy)]) == 1
+    out, err = capsys.readouterr()
+    assert "checking against device memory: FakeGPU, 16.0 GiB" in out
+    assert "ok  none  (" in out
+    assert "larger than device memory (16.0 GiB, 17179869184 bytes)" in err
+
+
+def fake_pynvml(devices):
+    """A pynvml stand-in: `devices` maps handle keys (index, UUID, bus id) to (total, used)."""
+    nvml = types.ModuleType("pynvml")
+    nvml.calls = []
+
+    class NVMLError(Exception):
+        pass
+
+    def handle(key):
+        if key not in devices:
+            raise NVMLError(f"no device {key!r}")
+        return key
+
+    nvml.NVMLError = NVMLError
+    nvml.nvmlInit = lambda: nvml.calls.append("init")
+    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
+    nvml.nvmlDeviceGetHandleByIndex = handle
+    nvml.nvmlDeviceGetHandleByUUID = handle
+    nvml.nvmlDeviceGetHandleByPciBusId = handle
+    nvml.nvmlDeviceGetName = lambda h: f"GPU {h}".encode()          # old bindings: bytes
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=devices[h][0], used=devices[h][1], free=devices[h][0] - devices[h][1])
+    return nvml
+
+
+def test_device_memory_via_fake_nvml(monkeypatch):
+    nvml = fake_pynvml({0: (80 * GiB, GiB), 2: (24 * GiB, 0), "GPU-abc": (40 * GiB, 2 * GiB)})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_memory(0) == DeviceMemory(80 * GiB, 79 * GiB, GiB, "GPU 0")
+    assert device_memory(1) is None                                  # NVMLError -> None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-abc")
+    assert device_memory(0).total_bytes == 24 * GiB                  # CUDA index 0 = NVML 2
+    assert device_memory(1).name == "GPU GPU-abc"
+    assert device_memory(2) is None                                  # not visible to CUDA
+    assert nvml.calls.count("init") == nvml.calls.count("shutdown") == 5
+
+
+def test_device_memory_without_nvml_library(monkeypatch):
+    nvml = fake_pynvml({})
+
+    def no_library():
+        raise nvml.NVMLError("NVML Shared Library Not Found")
+    nvml.nvmlInit = no_library
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert device_memory(0) is None
+
+
+def fake_cuda_runtime(monkeypatch, *, count_error=None, driver=13000):
+    """A cuda.bindings.runtime stand-in for one H200; `count_error` names a cudaError_t."""
+    class Err(enum.Enum):
+        cudaSuccess = 0
+        cudaErrorNoDevice = 100
+
+    ok = Err.cudaSuccess
+    attrs = dict.fromkeys(device_info._UM_ATTRIBUTES, 1) | {"cudaDevAttrPageableMemoryAccess": 0}
+    rt = types.ModuleType("cuda.bindings.runtime")
+    rt.cudaError_t = Err
+    rt.cudaDeviceAttr = types.SimpleNamespace(**{name: name for name in attrs})
+    rt.cudaGetErrorString = lambda err: (ok, b"no CUDA-capable device is detected")
+    rt.cudaDriverGetVersion = lambda: (ok, driver)
+    rt.cudaRuntimeGetVersion = lambda: (ok, 13050)
+    rt.cudaGetDeviceCount = lambda: (Err[count_error], 0) if count_error else (ok, 1)
+    rt.cudaGetDeviceProperties = lambda i: (ok, types.SimpleNamespace(
+        name=b"NVIDIA H200\0\0\0", major=9, minor=0))
+    rt.cudaDeviceGetPCIBusId = lambda n, i: (ok, b"0000:65:00.0\0")
+    rt.cudaDeviceGetAttribute = lambda attr, i: (ok, attrs[attr])
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = rt
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", rt)
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml({"0000:65:00.0": (140 * GiB, 4 * GiB)}))
+
+
+def test_capabilities_via_fake_runtime(monkeypatch, capsys):
+    fake_cuda_runtime(monkeypatch)
+    caps = unified_memory_capabilities(0)
+    assert caps["name"] == "NVIDIA H200" and caps["pci_bus_id"] == "0000:65:00.0"
+    assert caps["compute_capability"] == "9.0"
+    assert caps["concurrentManagedAccess"] is True and caps["pageableMemoryAccess"] is False
+    assert caps["driver_version"] == "13.0" and caps["runtime_version"] == "13.5"
+    assert caps["total_bytes"] == 140 * GiB and caps["used_bytes"] == 4 * GiB
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "pageableMemoryAccessUsesHostPageTables: True" in out      # the longest key
+    assert "total_bytes:                            140.0 GiB (150323855360 bytes)" in out
+    with pytest.raises(RuntimeError, match="CUDA device 3 does not exist: 1 device"):
+        unified_memory_capabilities(3)
+
+
+def test_capabilities_errors_name_the_call(monkeypatch):
+    fake_cuda_runtime(monkeypatch, count_error="cudaErrorNoDevice")
+    with pytest.raises(RuntimeError, match=r"cudaGetDeviceCount failed with cudaErrorNoDevice "
+                                           r"\(no CUDA-capable device is detected\)"):
+        unified_memory_capabilities(0)
+    fake_cuda_runtime(monkeypatch, driver=0)
+    with pytest.raises(RuntimeError, match="no NVIDIA driver found"):
+        unified_memory_capabilities(0)
+
+
+# ---------------------------------------------------------------- import hygiene
+@pytest.mark.parametrize("module", ["policy.py", "device_info.py", "__main__.py"])
+def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
+    """torch, pynvml and cuda.bindings must be imported lazily: installing the allocator has to
+    happen before anything initialises CUDA, and CI has no GPU libraries."""
+    tree = ast.parse((ROOT / "um_alloc" / module).read_text())
+    top = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            top.append(node.module.split(".")[0])
+    allowed = set(sys.stdlib_module_names) | {"yaml", "__future__"}
+    assert top and set(top) <= allowed, set(top) - allowed

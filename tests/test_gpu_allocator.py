@@ -1,0 +1,73 @@
+"""The installed allocator on a real GPU. Each check runs in its own process, since PyTorch
+takes a new allocator only before CUDA is initialised. Skipped where there is no CUDA device."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+SCRIPTS = Path(__file__).parent / "gpu_scripts"
+ROOT = SCRIPTS.parent.parent
+MiB = 1 << 20
+
+
+def run_script(*args, timeout=600) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check(name):
+    return run_script(SCRIPTS / "allocator_checks.py", name)
+
+
+def test_policy_hints_are_set_on_the_device(cuda_device):
+    found = check("advice")
+    assert found["parameter_preferred"] == 0  # device 0, as best.yaml asks
+    assert found["parameter_accessed_by"] == [0]
+    assert found["input_read_mostly_before_retag"] == 0 and found["input_read_mostly"] == 1
+    assert found["activation_preferred"] == -2  # cudaInvalidDeviceId: no preferred location
+    assert found["activation_last_prefetch"] == 0  # prefetched to the GPU when allocated
+    assert found["block_tag"] == "input" and found["backend_errors"] == 0
+
+
+def test_same_losses_as_stock_allocator(cuda_device):
+    stock = run_script(SCRIPTS / "train_tiny.py", "stock", "none", 20)["losses"]
+    for policy in ("best.yaml", "none.yaml"):
+        um = run_script(SCRIPTS / "train_tiny.py", "um", policy, 20)
+        assert len(um["losses"]) == 20
+        for a, b in zip(um["losses"], stock):
+            assert abs(a - b) <= 1e-5 * abs(b), (policy, um["losses"], stock)
+        assert um["tags"]["parameter"] > 0 and um["tags"]["optimizer_state"] > 0
+        assert um["backend_errors"] == 0
+
+
+def test_out_of_memory_is_a_torch_error_and_training_continues(cuda_device):
+    found = check("oom")
+    assert "out of memory" in found["message"] and "1.00 GiB limit" in found["message"]
+    assert "tried to allocate 64.00 MiB" in found["message"]
+    assert found["num_ooms"] >= 1 and found["peak_reserved"] <= found["limit"] == 1 << 30
+    assert len(found["losses"]) == 3 and all(l == l for l in found["losses"])  # finite, no NaN
+
+
+def test_record_stream_keeps_reuse_after_the_side_stream(cuda_device):
+    found = check("record_stream")
+    assert found["reused_address"], "the test must exercise reuse of the freed block"
+    assert found["b_all_two"]
+    assert found["stream_waits"] >= 1
+
+
+def test_empty_cache_returns_free_arenas(cuda_device):
+    found = check("empty_cache_and_stats")
+    assert found["live_before"] == 3 * 1024 * MiB and found["live_after"] == 0
+    assert found["reserved_before"] >= 3 * 1024 * MiB and found["reserved_after"] == 0
+    assert found["summary_has_tags"]
+
+
+def test_install_after_cuda_work_says_how_to_fix_it(cuda_device):
+    error = check("install_after_cuda")["error"]
+    assert error and "before any CUDA work" in error and "top of your script" in error

@@ -1,0 +1,291 @@
+"""Policies: the shipped files, defaults, every way a policy can be wrong, names and UM_POLICY."""
+
+import dataclasses
+import textwrap
+import types
+
+import pytest
+
+from um_alloc.policy import (GiB, KiB, MiB, Policy, PolicyError, PoolSettings, SchedulerSettings,
+                             TagAdvice, load_policy, packaged_policies_dir, policy_from_dict,
+                             resolve_policy_path, validate_for_device)
+from um_alloc.tags import TAGS
+
+GPU = TagAdvice(preferred_location="gpu", prefetch=True)
+
+
+def write(tmp_path, text, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error_of(tmp_path, text, name="p.yaml"):
+    path = write(tmp_path, text, name)
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    message = str(info.value)
+    assert str(path) in message, "every error names the file"
+    return message
+
+
+# ---------------------------------------------------------------- shipped policies
+def test_packaged_dir_holds_the_three_policies():
+    assert sorted(p.name for p in packaged_policies_dir().glob("*.yaml")) == [
+        "best.yaml", "none.yaml", "worst.yaml"]
+
+
+def test_none_policy_has_no_advice_and_default_settings():
+    policy = load_policy("none")
+    assert policy.name == "none"
+    assert policy.source.endswith("none.yaml")
+    assert all(advice == TagAdvice() for advice in policy.tags.values())
+    assert policy.pool == PoolSettings() and policy.scheduler == SchedulerSettings()
+
+
+def test_best_policy_values():
+    tags = load_policy("best").tags
+    assert tags["parameter"] == TagAdvice("gpu", False, ("gpu",), True)
+    assert tags["gradient"] == TagAdvice(prefetch=True)  # an intermediate result, as activations
+    assert tags["optimizer_state"] == GPU
+    assert tags["input"] == TagAdvice(read_mostly=True, prefetch=True)
+    assert tags["activation"] == TagAdvice(prefetch=True)
+    assert tags["other"] == TagAdvice()
+
+
+def test_worst_policy_values():
+    tags = load_policy("worst").tags
+    for tag in ("parameter", "gradient", "optimizer_state", "activation"):
+        assert tags[tag] == TagAdvice("cpu", False, ("cpu",), False), tag
+    assert tags["input"] == TagAdvice(preferred_location="cpu")
+    assert tags["other"] == TagAdvice()
+    assert not any(advice.prefetch for advice in tags.values())
+
+
+# ---------------------------------------------------------------- defaults and shape
+def test_defaults():
+    policy = policy_from_dict({}, source="<dict>", name="empty")
+    assert policy.pool == PoolSettings(2 * MiB, 1 * GiB, None, 2 * GiB, False)
+    assert policy.scheduler == SchedulerSettings(None, None, 1 * MiB)
+    assert list(policy.tags) == list(TAGS)
+    assert isinstance(policy.tags, types.MappingProxyType)
+
+
+def test_empty_file_and_empty_sections_mean_defaults(tmp_path):
+    assert load_policy(write(tmp_path, "")).pool == PoolSettings()
+    policy = load_policy(write(tmp_path, "pool:\nscheduler:\ntags:\n  input:\n", "e.yaml"))
+    assert policy.tags["input"] == TagAdvice() and policy.name == "e"
+
+
+def test_full_policy_parses(tmp_path):
+    policy = load_policy(write(tmp_path, """
+        pool: {chunk_size: 64KiB, arena_size: 512MiB, max_reserved: 20GiB,
+               reserve_margin: 0, oversubscribe: true}
+        scheduler: {budget: 8GiB, schedule_window: 1.5GiB, min_swap_size: 4096}
+        tags:
+          input: {preferred_location: cpu, accessed_by: [cpu, gpu, cpu], read_mostly: true}
+        """))
+    assert policy.pool == PoolSettings(64 * KiB, 512 * MiB, 20 * GiB, 0, True)
+    assert policy.scheduler == SchedulerSettings(8 * GiB, 3 * GiB // 2, 4096)
+    assert policy.tags["input"].accessed_by == ("gpu", "cpu")   # deduplicated, gpu first
+
+
+def test_auto_and_none_words_and_nulls():
+    policy = load_policy({"pool": {"max_reserved": "auto"},
+                          "scheduler": {"budget": "none", "schedule_window": None},
+                          "tags": {"other": {"preferred_location": None, "accessed_by": None}}})
+    assert policy.pool.max_reserved is None and policy.scheduler.budget is None
+    assert policy.scheduler.schedule_window is None and policy.tags["other"] == TagAdvice()
+
+
+def test_policy_is_frozen_and_hashable():
+    policy = load_policy("best")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.pool.chunk_size = 1
+    with pytest.raises(TypeError):
+        policy.tags["other"] = GPU
+    assert hash(policy) == hash(load_policy("best"))
+    assert policy == load_policy("best")
+
+
+def test_policy_built_directly_gets_all_tags():
+    policy = Policy(name="x", source="code", tags={"input": GPU})
+    assert list(policy.tags) == list(TAGS) and policy.tags["input"] == GPU
+    with pytest.raises(PolicyError, match="unknown tag .*got 'weights'"):
+        Policy(name="x", source="code", tags={"weights": GPU})
+
+
+def test_budget_bytes():
+    fraction = load_policy({"scheduler": {"budget": 0.25}})
+    assert fraction.budget_bytes(80 * GiB) == 20 * GiB
+    assert load_policy({"scheduler": {"budget": "10GiB"}}).budget_bytes(80 * GiB) == 10 * GiB
+    assert load_policy({}).budget_bytes(80 * GiB) is None
+
+
+# ---------------------------------------------------------------- bad input: one message each
+@pytest.mark.parametrize("text, fragments", [
+    ("pool: [1, 2]", ["pool: expected a mapping", "got [1, 2]"]),
+    ("pools: {}", ["pools: unknown section", "allowed: pool, scheduler, tags",
+                   "got 'pools'", "Did you mean 'pool'?"]),
+    ("pool: {chunk_sise: 2MiB}", ["pool.chunk_sise: unknown key", "Did you mean 'chunk_size'?",
+                                  "allowed: chunk_size, arena_size"]),
+    ("scheduler: {window: 1GiB}", ["scheduler.window: unknown key", "min_swap_size"]),
+    ("tags: {params: {}}", ["tags.params: unknown tag", "Did you mean 'parameter'?",
+                            f"allowed: {', '.join(TAGS)}"]),
+    ("tags: {input: {read_mostly: 'yes'}}",
+     ["tags.input.read_mostly: expected a boolean", "allowed: true, false", "got 'yes'",
+      "without quotes"]),
+    ("tags: {input: {prefetch: 1}}", ["tags.input.prefetch: expected a boolean", "got 1"]),
+    ("pool: {oversubscribe: 'false'}", ["pool.oversubscribe", "got 'false'"]),
+    ("tags: {parameter: {accessed_by: gpu}}", ["tags.parameter.accessed_by: expected a list",
+                                               "got 'gpu'", "Write [gpu]."]),
+    ("tags: {parameter: {accessed_by: [gpu, host]}}", ["invalid entry 'host'",
+                                                       "subset of [gpu, cpu]"]),
+    ("tags: {parameter: {preferred_location: gpuu}}",
+     ["tags.parameter.preferred_location: invalid value", "allowed: gpu, cpu, none", "got 'gpuu'"]),
+    ("tags: {parameter: {preferred_location: GPU}}", ["allowed: gpu, cpu, none", "got 'GPU'"]),
+    ("tags: {parameter: [gpu]}", ["tags.parameter: expected a mapping", "preferred_location"]),
+    ("pool: {arena_size: lots}", ["pool.arena_size: unparsable size", "got 'lots'"]),
+    ("pool: {arena_size: 0}", ["pool.arena_size: must be at least 1 B", "got 0"]),
+    ("pool: {reserve_margin: -1}", ["pool.reserve_margin: size must be >= 0", "got -1"]),
+    ("pool: {max_reserved: 20 GB}", ["pool.max_reserved", "write 20GiB (2**30)",
+                                     "allowed: auto, or a size"]),
+    ("pool: {max_reserved: 1MiB}", ["pool.max_reserved: must hold at least one chunk (2097152"]),
+    ("scheduler: {schedule_window: 0}", ["scheduler.schedule_window: size must be > 0"]),
+    ("scheduler: {min_swap_size: 1.5}", ["scheduler.min_swap_size", "Write the unit"]),
+    ("pool: {chunk_size: 3MiB}", ["pool.chunk_size: 3145728 bytes is not a power of two",
+                                  "64KiB", "1GiB", "got '3MiB'"]),
+    ("pool: {chunk_size: 32KiB}", ["pool.chunk_size: 32768 bytes", "got '32KiB'"]),
+    ("pool: {chunk_size: 2GiB}", ["pool.chunk_size: 2147483648 bytes", "got '2GiB'"]),
+    ("pool: {chunk_size: 4MiB, arena_size: 6MiB}",
+     ["pool.arena_size: must be a multiple of chunk_size (4194304 bytes = 4.0 MiB)",
+      "2097152 bytes over", "got 6291456"]),
+    ("scheduler: {budget: 1.5}", ["scheduler.budget: fraction out of range (0, 1]", "got 1.5",
+                                  "0 < f <= 1"]),
+    ("scheduler: {budget: 0.0}", ["fraction out of range", "got 0.0"]),
+    ("scheduler: {budget: -0.5}", ["fraction out of range", "got -0.5"]),
+    ("scheduler: {budget: 0}", ["scheduler.budget: budget must be > 0"]),
+    ("scheduler: {budget: 1}", ["at least one chunk", "got 1", "e.g. 1.0"]),
+    ("scheduler: {budget: half}", ["scheduler.budget: unparsable size", "got 'half'",
+                                   "a fraction of device memory"]),
+])
+def test_bad_values(tmp_path, text, fragments):
+    message = error_of(tmp_path, text)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("text", ["[pool, tags]", "just words", "42"])
+def test_top_level_must_be_a_mapping(tmp_path, text):
+    message = error_of(tmp_path, text)
+    assert "expected a mapping (a policy (sections: pool, scheduler, tags))" in message
+
+
+def test_yaml_syntax_error_has_line_and_column(tmp_path):
+    message = error_of(tmp_path, "pool:\n  chunk_size: 2MiB\n  arena_size: [1GiB\n")
+    assert "YAML syntax error" in message
+    assert "line 4, column 1" in message
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    message = error_of(tmp_path, "tags:\n  input: {}\n  input: {prefetch: true}\n")
+    assert "duplicate key 'input'" in message and "line 3, column 3" in message
+
+
+def test_missing_file_lists_packaged_names(tmp_path):
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path / "absent.yaml")
+    message = str(info.value)
+    assert "absent.yaml: policy file not found" in message
+    assert "packaged policies: best, none, worst" in message
+
+
+def test_unknown_bare_name():
+    with pytest.raises(PolicyError, match="bestest: policy file not found; packaged policies: "
+                                          "best, none, worst"):
+        resolve_policy_path("bestest")
+
+
+def test_load_policy_rejects_other_types():
+    with pytest.raises(TypeError, match="got int"):
+        load_policy(3)
+
+
+def test_dict_errors_name_dict_source():
+    with pytest.raises(PolicyError, match=r"^<dict>: tags\.input\.prefetch: "):
+        load_policy({"tags": {"input": {"prefetch": "on"}}})
+
+
+# ---------------------------------------------------------------- names, paths, env
+@pytest.mark.parametrize("name", ["best", "best.yaml", "best.yml"])
+def test_resolve_bare_name(name):
+    assert resolve_policy_path(name) == packaged_policies_dir() / "best.yaml"
+
+
+def test_existing_path_wins_over_packaged_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "best.yaml").write_text("tags: {other: {prefetch: true}}\n")
+    assert resolve_policy_path("best.yaml").resolve() == (tmp_path / "best.yaml").resolve()
+    assert load_policy("best.yaml").tags["other"].prefetch is True
+
+
+def test_env_var_chooses_default_policy(monkeypatch, tmp_path):
+    monkeypatch.setenv("UM_POLICY", "worst")
+    assert load_policy().name == "worst"
+    custom = write(tmp_path, "pool: {chunk_size: 1MiB}")
+    monkeypatch.setenv("UM_POLICY", str(custom))
+    assert load_policy().pool.chunk_size == 1 * MiB
+    monkeypatch.setenv("UM_POLICY", "")
+    assert load_policy().name == "none"
+    monkeypatch.delenv("UM_POLICY")
+    assert load_policy().name == "none"
+
+
+def test_env_var_error_is_a_policy_error(monkeypatch):
+    monkeypatch.setenv("UM_POLICY", "no_such_policy")
+    with pytest.raises(PolicyError, match="no_such_policy: policy file not found"):
+        load_policy()
+
+
+def test_load_policy_passes_policies_through():
+    policy = load_policy("best")
+    assert load_policy(policy) is policy
+
+
+# ---------------------------------------------------------------- device checks
+DEVICE = 24 * GiB
+
+
+@pytest.mark.parametrize("data", [
+    {},
+    {"scheduler": {"budget": 1.0}},
+    {"scheduler": {"budget": "24GiB"}},
+    {"pool": {"max_reserved": "24GiB"}},
+    {"pool": {"max_reserved": "64GiB", "oversubscribe": True}},
+    {"pool": {"reserve_margin": "30GiB", "oversubscribe": True}},
+])
+def test_fits_device(data):
+    validate_for_device(load_policy(data), DEVICE)   # raises nothing
+
+
+@pytest.mark.parametrize("data, fragments", [
+    ({"scheduler": {"budget": "25GiB"}},
+     ["scheduler.budget: larger than device memory (24.0 GiB, 25769803776 bytes)",
+      "got 26843545600"]),
+    ({"scheduler": {"budget": "32GiB"}, "pool": {"oversubscribe": True}}, ["scheduler.budget"]),
+    ({"pool": {"max_reserved": "25GiB"}},
+     ["pool.max_reserved: larger than device memory (24.0 GiB", "pool.oversubscribe: true"]),
+    ({"pool": {"reserve_margin": "24GiB"}},
+     ["pool.reserve_margin: leaves nothing", "max_reserved: auto"]),
+])
+def test_too_big_for_device(data, fragments):
+    with pytest.raises(PolicyError) as info:
+        validate_for_device(load_policy(data), DEVICE)
+    assert str(info.value).startswith("<dict>: ")
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_shipped_policies_fit_a_small_gpu():
+    for name in ("none", "best", "worst"):
+        validate_for_device(load_policy(name), 8 * GiB)

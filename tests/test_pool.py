@@ -1,0 +1,265 @@
+"""One conformance suite for the chunk pool, run against each backend.
+
+The host backend runs everywhere (CI has no GPU); the managed backend runs the same tests on a
+CUDA device and is skipped elsewhere. Streams are opaque handles to the pool: on the host
+backend any integers do; on the managed backend they are real CUDA streams.
+"""
+import random
+import threading
+
+import pytest
+
+MiB = 1 << 20
+CHUNK = 2 * MiB
+
+
+@pytest.fixture(params=["host", pytest.param("managed", marks=pytest.mark.gpu)])
+def backend(request):
+    if request.param == "managed":
+        request.getfixturevalue("cuda_device")
+    return request.param
+
+
+@pytest.fixture
+def make_pool(backend):
+    from um_alloc.pool import ChunkPool
+
+    pools = []
+
+    def make(arena=16 * MiB, cap=2**64 - 1, chunk=CHUNK):
+        if backend == "host":
+            pool = ChunkPool.host(chunk, arena, cap)
+        else:
+            pool = ChunkPool.managed(0, chunk, arena, cap)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for p in pools:
+        p.close()
+
+
+@pytest.fixture
+def streams(backend):
+    """Two distinct stream handles."""
+    if backend == "host":
+        return 101, 202
+    import torch
+
+    keep = [torch.cuda.Stream(), torch.cuda.Stream()]
+    streams.keep = keep
+    return keep[0].cuda_stream, keep[1].cuda_stream
+
+
+def test_large_requests_take_whole_chunks(make_pool):
+    pool = make_pool()
+    p = pool.malloc(3 * MiB)
+    info = pool.block_at(p)
+    assert (info.size, info.requested, info.is_small) == (4 * MiB, 3 * MiB, False)
+    s = pool.raw_stats()
+    assert s["tags"]["activation"]["held_bytes"] == 4 * MiB
+    assert s["internal_waste_bytes"] == 1 * MiB < s["internal_waste_bound_bytes"] == CHUNK
+    assert p % CHUNK == pool.block_at(p).base % CHUNK  # chunk-aligned within its arena
+
+
+def test_small_requests_share_a_chunk_per_tag(make_pool):
+    pool = make_pool()
+    a, b = pool.malloc(1000), pool.malloc(1000)
+    c = pool.malloc(1000, tag="parameter")
+    assert pool.block_at(a).is_small and pool.block_at(b).size == 1024
+    assert abs(a - b) < CHUNK  # same chunk
+    assert abs(c - a) >= 1024 and pool.raw_stats()["small_chunks"] == 2  # its own chunk
+    assert pool.block_at(c + 999).tag == "parameter"
+
+
+def test_freed_block_is_reused_at_the_same_address(make_pool):
+    pool = make_pool()
+    p = pool.malloc(4 * MiB)
+    pool.free(p)
+    assert pool.malloc(4 * MiB) == p
+    assert pool.raw_stats()["arena_count"] == 1
+
+
+def test_free_chunks_serve_other_sizes(make_pool):
+    pool = make_pool(arena=4 * MiB)
+    small = [pool.malloc(64 * 1024) for _ in range(20)]  # fill one chunk and part of another
+    for p in small:
+        pool.free(p)
+    big = pool.malloc(4 * MiB)  # only fits if both small chunks went back to the runs
+    assert pool.raw_stats()["arena_count"] == 1
+    assert pool.block_at(big).size == 4 * MiB
+
+
+def test_neighbouring_free_runs_merge(make_pool):
+    pool = make_pool(arena=6 * MiB)
+    a, b, c = (pool.malloc(2 * MiB) for _ in range(3))
+    pool.free(a)
+    pool.free(b)
+    assert pool.malloc(4 * MiB) == min(a, b)
+    assert pool.raw_stats()["arena_count"] == 1
+
+
+def test_random_workload_keeps_waste_under_its_bound(make_pool):
+    pool = make_pool(arena=64 * MiB)
+    rng = random.Random(0)
+    live = {}
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            victim = rng.choice(list(live))
+            del live[victim]
+            pool.free(victim)
+        else:
+            n = rng.choice([rng.randint(1, 8192), rng.randint(1, 3 * MiB), rng.randint(1, 20 * MiB)])
+            live[pool.malloc(n, tag=rng.choice(["activation", "input", "other"]))] = n
+        s = pool.raw_stats()
+        assert s["live_bytes_total"] == sum(live.values())
+        assert s["internal_waste_bytes"] < s["internal_waste_bound_bytes"] or not live
+        assert s["fragmentation_bytes"] == s["reserved_bytes"] - s["live_bytes_total"]
+    addresses = sorted((p, n) for p, n in live.items())
+    assert all(p1 + n1 <= p2 for (p1, n1), (p2, _) in zip(addresses, addresses[1:])), "overlap"
+
+
+def test_cap_raises_out_of_memory_and_pool_carries_on(make_pool):
+    import torch
+
+    pool = make_pool(arena=4 * MiB, cap=8 * MiB)
+    a = pool.malloc(4 * MiB)
+    b = pool.malloc(4 * MiB)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        pool.malloc(3 * MiB, tag="parameter")
+    message = str(e.value)
+    assert "3.00 MiB" in message and "8.00 MiB limit" in message and "activation 8.00 MiB" in message
+    assert pool.raw_stats()["num_ooms"] == 1
+    pool.free(a)
+    assert pool.malloc(3 * MiB) == a  # after the error, the pool still serves requests
+    pool.free(b)
+
+
+def test_cap_makes_room_by_returning_free_arenas(make_pool):
+    pool = make_pool(arena=4 * MiB, cap=8 * MiB)
+    a, b = pool.malloc(4 * MiB), pool.malloc(4 * MiB)
+    pool.free(a)
+    pool.free(b)
+    big = pool.malloc(8 * MiB)  # no free run of 8 MiB; the two cached arenas must go first
+    assert pool.raw_stats()["reserved_bytes"] == 8 * MiB
+    pool.free(big)
+
+
+def test_empty_cache_returns_only_wholly_free_arenas(make_pool):
+    pool = make_pool(arena=4 * MiB)
+    keep = pool.malloc(3 * MiB)
+    drop = pool.malloc(4 * MiB)
+    pool.free(drop)
+    assert pool.empty_cache() == 4 * MiB
+    assert pool.raw_stats()["arena_count"] == 1
+    assert pool.block_at(keep) is not None
+
+
+def test_reuse_on_the_freeing_stream_needs_no_wait(make_pool, streams):
+    s1, s2 = streams
+    pool = make_pool()
+    p = pool.malloc(4 * MiB, stream=s1)
+    pool.free(p)
+    assert pool.malloc(4 * MiB, stream=s1) == p
+    assert pool.raw_stats()["stream_waits"] == 0
+
+
+def test_reuse_on_another_stream_waits_on_an_event(make_pool, streams):
+    s1, s2 = streams
+    pool = make_pool()
+    p = pool.malloc(4 * MiB, stream=s1)
+    pool.free(p)
+    assert pool.malloc(4 * MiB, stream=s2) == p
+    assert pool.raw_stats()["stream_waits"] == 1
+
+
+def test_record_stream_makes_the_owner_wait(make_pool, streams):
+    s1, s2 = streams
+    pool = make_pool()
+    p = pool.malloc(4 * MiB, stream=s1)
+    pool.record_stream(p, s2)
+    pool.free(p)
+    assert pool.malloc(4 * MiB, stream=s1) == p
+    assert pool.raw_stats()["stream_waits"] == 1
+
+
+def test_advice_is_applied_once_per_chunk_and_undone_for_other_tags(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool()
+    pool.set_tag_policy("parameter", TagAdvice(preferred_location="gpu", prefetch=True))
+    p = pool.malloc(4 * MiB, tag="parameter")
+    s = pool.raw_stats()
+    assert (s["advise_calls"], s["prefetch_calls"], s["prefetch_bytes"]) == (1, 1, 4 * MiB)
+    assert pool.block_at(p).residency == "gpu"
+    pool.free(p)
+    pool.malloc(4 * MiB, tag="parameter")  # same chunks, same hints: no new calls
+    s = pool.raw_stats()
+    assert (s["advise_calls"], s["prefetch_calls"]) == (1, 1)
+    assert pool.backend_error() == ""
+
+
+def test_retag_moves_accounting_and_applies_hints(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool()
+    pool.set_tag_policy("input", TagAdvice(read_mostly=True))
+    p = pool.malloc(3 * MiB)
+    pool.retag(p + 100, "input")  # any address inside the allocation
+    s = pool.raw_stats()
+    assert s["tags"]["input"]["live_bytes"] == 3 * MiB and s["tags"]["activation"]["live_bytes"] == 0
+    assert s["tags"]["input"]["held_bytes"] == 4 * MiB and s["advise_calls"] == 1
+    assert pool.ranges_for_tag("input") == [(p, 3 * MiB)]
+    assert pool.ranges_for_tag("activation") == []
+
+
+def test_bad_calls_give_clear_errors(make_pool):
+    from um_alloc.pool import ChunkPool
+
+    pool = make_pool()
+    with pytest.raises(RuntimeError, match="did not hand out"):
+        pool.free(12345)
+    with pytest.raises(ValueError, match="allowed: parameter, gradient"):
+        pool.malloc(10, tag="weights")
+    assert pool.block_at(4096) is None
+    with pytest.raises(RuntimeError, match="power of two"):
+        ChunkPool.host(chunk_size=3 * MiB)
+    with pytest.raises(RuntimeError, match="multiple of chunk_size"):
+        ChunkPool.host(chunk_size=2 * MiB, arena_size=3 * MiB)
+
+
+def test_threads_share_a_pool_safely(make_pool):
+    pool = make_pool(arena=64 * MiB)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(2000):
+                if mine and rng.random() < 0.5:
+                    pool.free(mine.pop(rng.randrange(len(mine))))
+                else:
+                    mine.append(pool.malloc(rng.choice([512, 5000, 3 * MiB])))
+            for p in mine:
+                pool.free(p)
+        except Exception as e:  # surfaced below; a thread's exception is otherwise lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = pool.raw_stats()
+    assert s["live_bytes_total"] == 0 and s["large_blocks"] == s["small_blocks"] == 0
+
+
+def test_retag_many_counts_what_it_found(make_pool):
+    pool = make_pool()
+    ptrs = [pool.malloc(3 * MiB), pool.malloc(1000)]
+    assert pool.retag_many(ptrs + [4096], "gradient") == 2  # 4096 is not the pool's
+    s = pool.raw_stats()
+    assert s["tags"]["gradient"]["live_bytes"] == 3 * MiB + 1000
+    assert s["tags"]["activation"]["live_bytes"] == 0

@@ -1,0 +1,93 @@
+"""parse_size / format_size: the size syntax every policy key with bytes uses."""
+
+import pytest
+
+from um_alloc.policy import GiB, KiB, MiB, PolicyError, TiB, format_size, parse_size
+
+GOOD = [
+    (0, 0),
+    (4096, 4096),
+    (2**40, TiB),
+    ("0B", 0),
+    ("512B", 512),
+    ("64KiB", 64 * KiB),
+    ("2MiB", 2 * MiB),
+    ("2 MiB", 2 * MiB),
+    ("  4GiB ", 4 * GiB),
+    ("1TiB", TiB),
+    ("1.5GiB", 3 * GiB // 2),
+    (".5MiB", MiB // 2),
+    ("2.MiB", 2 * MiB),
+    ("0.1KiB", 102),             # 102.4 rounds to 102
+    ("1.5B", 2),                 # rounded to whole bytes
+    ("2gib", 2 * GiB),           # binary units are unambiguous in any case
+    ("3Mib", 3 * MiB),
+]
+
+
+@pytest.mark.parametrize("value, expected", GOOD)
+def test_parse_size_accepts(value, expected):
+    assert parse_size(value, key="pool.chunk_size", source="t.yaml") == expected
+
+
+BAD = [
+    # value, a fragment the message must contain
+    (-1, ">= 0"),
+    ("-2MiB", ">= 0"),
+    (True, "not a size"),
+    (None, "not a size"),
+    ([1], "not a size"),
+    (1.5, "Write the unit, e.g. '1.5GiB'"),
+    ("12 GB", "'12 GB' is ambiguous: write 12GiB (2**30)"),
+    ("12GB", "write 12GiB (2**30)"),
+    ("4MB", "write 4MiB (2**20)"),
+    ("8KB", "write 8KiB (2**10)"),
+    ("1TB", "write 1TiB (2**40)"),
+    ("16G", "write 16GiB (2**30)"),
+    ("1024", "needs a unit"),
+    ("2 parsecs", "unknown size unit"),
+    ("MiB", "unparsable size"),
+    ("1e9B", "unparsable size"),
+    ("1,5GiB", "unparsable size"),
+    ("", "unparsable size"),
+    ("nan GiB", "unparsable size"),
+]
+
+
+@pytest.mark.parametrize("value, fragment", BAD)
+def test_parse_size_rejects_with_reason(value, fragment):
+    with pytest.raises(PolicyError) as info:
+        parse_size(value, key="scheduler.min_swap_size", source="my.yaml")
+    message = str(info.value)
+    assert fragment in message
+    assert message.startswith("my.yaml: scheduler.min_swap_size: ")
+    assert f"got {value!r}" in message
+    assert "KiB, MiB, GiB, TiB" in message           # the allowed units are listed
+    assert info.value.key == "scheduler.min_swap_size"
+    assert info.value.source == "my.yaml"
+
+
+def test_policy_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        parse_size("x", key="k", source="s")
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"),
+    (512, "512 B"),
+    (1023, "1023 B"),
+    (KiB, "1.0 KiB"),
+    (1536, "1.5 KiB"),
+    (2 * MiB, "2.0 MiB"),
+    (2097152, "2.0 MiB"),
+    (3 * GiB // 2, "1.5 GiB"),
+    (80 * GiB, "80.0 GiB"),
+    (2 * TiB, "2.0 TiB"),
+])
+def test_format_size(n, text):
+    assert format_size(n) == text
+
+
+@pytest.mark.parametrize("n", [1, 64 * KiB, 2 * MiB, 3 * GiB, 5 * TiB])
+def test_format_size_round_trips_for_whole_units(n):
+    assert parse_size(format_size(n).replace(" ", ""), key="k", source="s") == n

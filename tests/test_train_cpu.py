@@ -1,0 +1,141 @@
+"""bert_example/train.py on the CPU with the stock allocator and a tiny BERT."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from bert_example.train import CHECKPOINT, PREVIOUS, main
+
+TINY = ["--device", "cpu", "--allocator", "stock", "--model", "tiny", "--seq-len", "32", "--batch-size", "4"]
+EXACT = ["--dropout", "0", "--no-bf16"]  # deterministic arithmetic to compare runs
+JSON_KEYS = {"device", "date", "workload", "method", "policy", "batch", "micro_batch", "seq_len", "steps",
+             "step_s_median", "samples_per_s", "loss_first", "loss_last", "losses", "peak_bytes"}
+
+
+def run(*args):
+    return main(TINY + [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Four steps with checkpoints every two, in a directory of its own."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    summary = run("--steps", 4, "--checkpoint", directory / "ckpt", "--checkpoint-every", 2,
+                  "--json", directory / "out" / "run.json")
+    return summary, directory
+
+
+@pytest.fixture(scope="module")
+def exact_baseline():
+    return run("--steps", 3, *EXACT)
+
+
+def test_trains_and_writes_json(uninterrupted):
+    summary, directory = uninterrupted
+    written = json.loads((directory / "out" / "run.json").read_text())
+    assert JSON_KEYS <= set(written)
+    assert written["losses"] == summary["losses"]
+    assert len(summary["losses"]) == summary["steps"] == 4
+    assert all(math.isfinite(loss) for loss in summary["losses"])
+    assert 9 < summary["loss_first"] < 11  # about ln(30522) for an untrained model
+    assert summary["method"] == "stock" and summary["device"] == "cpu" and summary["micro_batch"] is None
+    assert summary["batch"] == 4 and summary["seq_len"] == 32 and summary["policy"] is None
+    assert summary["samples_per_s"] == pytest.approx(4 / summary["step_s_median"])
+    assert summary["timed_steps"] == 2  # --warmup-steps 2 of 4
+
+
+def test_checkpoints_are_whole_files(uninterrupted):
+    _, directory = uninterrupted
+    names = sorted(p.name for p in (directory / "ckpt").iterdir())
+    assert names == sorted([CHECKPOINT, PREVIOUS])  # no temporary left behind
+    latest = torch.load(directory / "ckpt" / CHECKPOINT, weights_only=True)
+    previous = torch.load(directory / "ckpt" / PREVIOUS, weights_only=True)
+    assert (latest["step"], previous["step"]) == (4, 2)
+
+
+def test_resume_continues_the_step_count_and_the_losses(uninterrupted, tmp_path):
+    expected = uninterrupted[0]["losses"]
+    first = run("--steps", 2, "--checkpoint", tmp_path)
+    assert first["losses"] == pytest.approx(expected[:2], rel=1e-6)
+    resumed = run("--steps", 4, "--checkpoint", tmp_path, "--resume")
+    assert resumed["first_step"] == 2 and resumed["steps"] == 2
+    # same batches, weights, AdamW state and dropout RNG: the same arithmetic as without the break
+    assert resumed["losses"] == expected[2:]
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 4
+
+
+def test_text_file_data(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"the quick brown fox number {i} jumps over the lazy dog {i % 7}."
+                              for i in range(50)))
+    summary = run("--steps", 2, "--data", text, "--checkpoint", tmp_path / "ckpt")
+    assert summary["workload"].endswith("-text")
+    assert all(math.isfinite(loss) for loss in summary["losses"])
+    assert summary["loss_first"] < 9  # a vocabulary of a few hundred words, not BERT's 30522
+    checkpoint = torch.load(tmp_path / "ckpt" / CHECKPOINT, weights_only=True)
+    assert '"[MASK]"' in checkpoint["data"]["tokenizer"]  # the resumed run keeps the vocabulary
+
+
+@pytest.mark.parametrize("micro_batch, used", [("2", 2), ("3", 3), ("auto", 4)])
+def test_micro_batches_give_the_full_batch_losses(exact_baseline, micro_batch, used):
+    streamed = run("--steps", 3, "--micro-batch", micro_batch, *EXACT)
+    assert streamed["micro_batch"] == used
+    assert streamed["losses"] == pytest.approx(exact_baseline["losses"], rel=1e-5)
+    assert streamed["losses"][0] != streamed["losses"][-1]  # it did train
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--seq-len", "4"], "--seq-len must be between 8 and 512, got 4"),
+    (["--seq-len", "1024"], "--seq-len must be between 8 and 512, got 1024"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--micro-batch", "0"], "expected an integer >= 1 or 'auto', got '0'"),
+    (["--micro-batch", "half"], "got 'half'"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["--allocator", "um"], "--allocator um needs a CUDA device"),
+    (["--policy", "best.yaml"], "--policy applies to --allocator um only"),
+    (["--memory-limit", "1GiB"], "--memory-limit applies to CUDA devices only"),
+    (["--resume"], "--resume needs --checkpoint DIR"),
+    (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file"),
+])
+def test_bad_arguments_exit_with_a_message(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        run(*args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_or_with_nothing_left(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run("--resume", "--checkpoint", tmp_path)
+    assert f"no checkpoint in {tmp_path}" in capsys.readouterr().err
+    run("--steps", 1, "--checkpoint", tmp_path)
+    with pytest.raises(SystemExit):
+        run("--steps", 1, "--checkpoint", tmp_path, "--resume")
+    assert "at step 1; --steps 1 leaves nothing to do" in capsys.readouterr().err
+
+
+def test_empty_text_file_is_refused(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    with pytest.raises(SystemExit):
+        run("--data", tmp_path / "empty.txt")
+    assert "holds no text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size, message", [("16GB", "--memory-limit"), ("0", "more than 0 bytes")])
+def test_bad_memory_limit_is_refused_before_cuda_work(size, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["--allocator", "stock", "--model", "tiny", "--memory-limit", size])
+    assert message in capsys.readouterr().err
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where there is no GPU")
+def test_cuda_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit):
+        main(["--allocator", "stock", "--model", "tiny", "--seq-len", "8", "--steps", "1"])
+    assert "no CUDA device is available" in capsys.readouterr().err

@@ -1,0 +1,36 @@
+"""um_alloc: a PyTorch allocator on CUDA Unified Memory.
+
+    import torch, um_alloc
+    um_alloc.install("best.yaml")          # before any CUDA work; or set UM_POLICY
+    with um_alloc.tag("parameter"):
+        model = MyModel().cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    um_alloc.tag_training(model, opt)      # gradients and optimizer state, as they appear
+    ...
+    print(um_alloc.memory_summary())
+"""
+from .install import Installation, install, installation, is_installed
+from .policy import Policy, PolicyError, TagAdvice, format_size, load_policy, parse_size
+from .pool import BlockInfo, ChunkPool
+from .stats import memory_stats, memory_summary
+from .tags import DEFAULT_TAG, TAGS, retag, tag, tag_module, tag_optimizer, tag_training
+
+__all__ = [
+    "install", "installation", "is_installed", "Installation",
+    "tag", "retag", "tag_module", "tag_optimizer", "tag_training", "TAGS", "DEFAULT_TAG",
+    "memory_stats", "memory_summary", "block_at", "ranges_for_tag",
+    "load_policy", "Policy", "PolicyError", "TagAdvice", "parse_size", "format_size",
+    "ChunkPool", "BlockInfo",
+]
+
+
+def block_at(ptr: int, device: int | None = None) -> BlockInfo | None:
+    """What the installed allocator holds at address `ptr`: the allocation containing it, or None."""
+    device = installation().device if device is None else device
+    return ChunkPool.for_device(device).block_at(ptr)
+
+
+def ranges_for_tag(tag_name: str, device: int | None = None) -> list[tuple[int, int]]:
+    """(base, bytes) of each live allocation tagged `tag_name` on `device`."""
+    device = installation().device if device is None else device
+    return ChunkPool.for_device(device).ranges_for_tag(tag_name)

@@ -1,0 +1,119 @@
+"""Command line: ``python -m um_alloc check FILE...`` and ``python -m um_alloc info``.
+
+Exit status: 0 all good, 1 a policy failed or no GPU for ``info``, 2 usage error (argparse).
+Neither command installs the allocator or touches torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .device_info import device_memory, unified_memory_capabilities
+from .policy import (Policy, PolicyError, TagAdvice, format_size, load_policy, parse_size,
+                     validate_for_device)
+
+
+def describe(policy: Policy) -> str:
+    """One line: pool shape, budget and the advice of every tag that has any."""
+    pool, budget = policy.pool, policy.scheduler.budget
+    cap = "auto" if pool.max_reserved is None else format_size(pool.max_reserved)
+    if budget is None:
+        budget_text = "none"
+    elif isinstance(budget, float):
+        budget_text = f"{budget:g} of device"
+    else:
+        budget_text = format_size(budget)
+    advice = [f"{tag}={_advice_text(a)}" for tag, a in policy.tags.items() if a != TagAdvice()]
+    return (f"chunk {format_size(pool.chunk_size)}, arena {format_size(pool.arena_size)}, "
+            f"max_reserved {cap}{' (oversubscribe)' if pool.oversubscribe else ''}, "
+            f"budget {budget_text}, advice: {', '.join(advice) or 'none'}")
+
+
+def _advice_text(advice: TagAdvice) -> str:
+    parts = [] if advice.preferred_location == "none" else [advice.preferred_location]
+    parts += ["read_mostly"] if advice.read_mostly else []
+    parts += [f"by:{'+'.join(advice.accessed_by)}"] if advice.accessed_by else []
+    parts += ["prefetch"] if advice.prefetch else []
+    return "/".join(parts)
+
+
+def _device_total(args: argparse.Namespace) -> tuple[int | None, str]:
+    """Bytes to check budgets against: --device-memory, else NVML's device 0, else none."""
+    if args.device_memory is not None:
+        return args.device_memory, f"--device-memory {format_size(args.device_memory)}"
+    memory = device_memory(0)
+    if memory is None:
+        return None, ""
+    return memory.total_bytes, f"{memory.name}, {format_size(memory.total_bytes)}"
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    total, against = _device_total(args)
+    if total is not None:
+        print(f"checking against device memory: {against}")
+    failed = 0
+    for file in args.files:
+        try:
+            policy = load_policy(file)
+            if total is not None:
+                validate_for_device(policy, total)
+        except PolicyError as exc:
+            print(f"FAIL  {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"ok  {file}  ({describe(policy)})")
+    if failed:
+        print(f"{failed} of {len(args.files)} policies failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    try:
+        caps = unified_memory_capabilities(args.device)
+    except RuntimeError as exc:
+        print(f"um_alloc info: {exc}", file=sys.stderr)
+        return 1
+    width = max(len(key) for key in caps)
+    for key, value in caps.items():
+        if key.endswith("_bytes"):
+            value = f"{format_size(value)} ({value} bytes)"
+        print(f"{key + ':':<{width + 1}} {value}")
+    return 0
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(int(text) if text.isdigit() else text,
+                          key="--device-memory", source="command line")
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m um_alloc", description="um_alloc: policies and device checks.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    check = commands.add_parser(
+        "check", help="validate policy files",
+        description="Validate policy files (paths, or names of packaged policies such as "
+                    "'best'). Budgets are also checked against device memory when NVML "
+                    "reports a GPU or --device-memory is given.")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("--device-memory", type=_size_arg, metavar="SIZE",
+                       help="check against a device of this size (e.g. 24GiB) instead of GPU 0")
+    check.set_defaults(run=cmd_check)
+    info = commands.add_parser("info", help="print the GPU's unified-memory capabilities")
+    info.add_argument("--device", type=int, default=0, metavar="N", help="CUDA device index")
+    info.set_defaults(run=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

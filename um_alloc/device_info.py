@@ -1,0 +1,158 @@
+"""What the GPU offers: memory (NVML) and unified-memory capabilities (CUDA runtime attributes).
+
+``device_memory`` uses NVML only, so it is safe before the allocator is installed: it never
+initialises CUDA. ``unified_memory_capabilities`` asks the CUDA runtime through cuda-bindings,
+which initialises the CUDA driver in this process (not torch's CUDA state); call it from tools
+such as ``python -m um_alloc info``, not on the way to ``install()``.
+
+Both import their bindings lazily, so this module imports with neither installed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DeviceMemory", "device_memory", "unified_memory_capabilities"]
+
+# cudaDeviceAttr member -> key in the capabilities dict (the attribute's name in CUDA docs).
+_UM_ATTRIBUTES = {
+    "cudaDevAttrManagedMemory": "managedMemory",
+    "cudaDevAttrConcurrentManagedAccess": "concurrentManagedAccess",
+    "cudaDevAttrPageableMemoryAccess": "pageableMemoryAccess",
+    "cudaDevAttrPageableMemoryAccessUsesHostPageTables": "pageableMemoryAccessUsesHostPageTables",
+    "cudaDevAttrDirectManagedMemAccessFromHost": "directManagedMemAccessFromHost",
+}
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total_bytes: int
+    free_bytes: int
+    used_bytes: int      # NVML "used": includes managed chunks the driver keeps after eviction
+    name: str
+
+
+def device_memory(index: int = 0) -> DeviceMemory | None:
+    """Memory of CUDA device `index` via NVML; None where NVML, the driver or the device is missing.
+
+    `index` counts devices as CUDA does under CUDA_VISIBLE_DEVICES (integers or GPU-/MIG- UUIDs).
+    Otherwise NVML counts in PCI bus order, which is CUDA's only with CUDA_DEVICE_ORDER=PCI_BUS_ID
+    or a single GPU. Never initialises CUDA.
+    """
+    def query(pynvml: Any) -> DeviceMemory | None:
+        handle = _nvml_handle(pynvml, index)
+        return None if handle is None else _memory_of(pynvml, handle)
+    return _with_nvml(query)
+
+
+def _with_nvml(query: Any) -> Any:
+    """query(pynvml) between nvmlInit and nvmlShutdown; None when NVML is missing or fails."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError, OSError):
+        return None
+    try:
+        return query(pynvml)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_handle(pynvml: Any, index: int) -> Any:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        return None
+    entry = entries[index]
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)
+
+
+def _memory_of(pynvml: Any, handle: Any) -> DeviceMemory:
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    name = pynvml.nvmlDeviceGetName(handle)
+    if isinstance(name, bytes):        # older nvidia-ml-py returned bytes
+        name = name.decode(errors="replace")
+    return DeviceMemory(total_bytes=int(info.total), free_bytes=int(info.free),
+                        used_bytes=int(info.used), name=name)
+
+
+def unified_memory_capabilities(index: int = 0) -> dict[str, Any]:
+    """Unified-memory attributes of CUDA device `index`, plus versions and NVML memory.
+
+    Keys: name, pci_bus_id, compute_capability ("9.0"), the attributes in _UM_ATTRIBUTES (bool),
+    driver_version and runtime_version ("13.0"), and total_bytes / free_bytes / used_bytes (int)
+    when NVML answers. Raises RuntimeError saying what is missing when there is no usable device.
+    """
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError as exc:
+        raise RuntimeError("cuda-bindings is not installed (pip install cuda-bindings); "
+                           "it is needed to query the CUDA device") from exc
+    if _cuda(rt, rt.cudaDriverGetVersion(), "cudaDriverGetVersion") == 0:
+        # Without libcuda, cudaGetDeviceCount would blame an "insufficient" driver.
+        raise RuntimeError("no NVIDIA driver found (cudaDriverGetVersion returned 0): "
+                           "this machine has no usable CUDA device")
+    count = _cuda(rt, rt.cudaGetDeviceCount(), "cudaGetDeviceCount")
+    if not 0 <= index < count:
+        raise RuntimeError(f"CUDA device {index} does not exist: {count} device(s) visible"
+                           f"{_visible_note()}")
+    caps: dict[str, Any] = {"device": index}
+    props = _cuda(rt, rt.cudaGetDeviceProperties(index), "cudaGetDeviceProperties")
+    caps["name"] = _text(props.name)
+    bus_id = _cuda(rt, rt.cudaDeviceGetPCIBusId(32, index), "cudaDeviceGetPCIBusId")
+    caps["pci_bus_id"] = _text(bus_id)
+    caps["compute_capability"] = f"{props.major}.{props.minor}"
+    for attribute, key in _UM_ATTRIBUTES.items():
+        value = rt.cudaDeviceGetAttribute(getattr(rt.cudaDeviceAttr, attribute), index)
+        caps[key] = bool(_cuda(rt, value, f"cudaDeviceGetAttribute({attribute})"))
+    for key, call in (("driver_version", "cudaDriverGetVersion"),
+                      ("runtime_version", "cudaRuntimeGetVersion")):
+        caps[key] = _version(_cuda(rt, getattr(rt, call)(), call))
+    memory = _memory_by_bus_id(caps["pci_bus_id"])
+    if memory is not None:
+        caps.update(total_bytes=memory.total_bytes, free_bytes=memory.free_bytes,
+                    used_bytes=memory.used_bytes)
+    return caps
+
+
+def _cuda(rt: Any, result: tuple, call: str) -> Any:
+    """The value of a cuda-bindings call `(err, value)`, or RuntimeError naming call and error."""
+    err, *values = result
+    if err != rt.cudaError_t.cudaSuccess:
+        _, error_text = rt.cudaGetErrorString(err)
+        raise RuntimeError(f"no usable CUDA device: {call} failed with {err.name} "
+                           f"({_text(error_text)}){_visible_note()}; is an NVIDIA driver "
+                           f"installed and a GPU visible to this process?")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _memory_by_bus_id(bus_id: str) -> DeviceMemory | None:
+    """NVML memory of the device at `bus_id`: exact, whatever the CUDA and NVML orders are."""
+    return _with_nvml(lambda nv: _memory_of(nv, nv.nvmlDeviceGetHandleByPciBusId(bus_id)))
+
+
+def _visible_note() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        value = value.split(b"\0", 1)[0].decode(errors="replace")
+    return str(value)
+
+
+def _version(v: int) -> str:
+    """CUDA's encoding 1000*major + 10*minor (13000 -> "13.0")."""
+    return f"{v // 1000}.{(v % 1000) // 10}"

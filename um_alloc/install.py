@@ -1,0 +1,143 @@
+"""Installing um_alloc as PyTorch's CUDA allocator.
+
+PyTorch lets the allocator be swapped only before CUDA is first used, so install() must run at
+the top of a script. Everything that can be wrong with the input (policy file, sizes, a cap
+larger than the device allows) is checked before CUDA is touched: memory figures come from
+NVML, which does not initialise CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _lib
+from .device_info import DeviceMemory, device_memory
+from .policy import Policy, PolicyError, format_size, load_policy, parse_size, validate_for_device
+from .pool import tag_policy_struct
+from .tags import TAGS
+
+NO_CAP = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Installation:
+    policy: Policy
+    device: int
+    max_reserved: int          # cap on managed memory reserved (NO_CAP with oversubscribe and auto)
+    device_total: int
+    device_free_at_install: int
+    device_used_at_install: int  # NVML "used" then: the base of the residency high-water mark
+
+
+_installation: Installation | None = None
+_allocator = None  # PyTorch keeps a raw pointer to it: hold the Python object for the process
+
+
+def install(policy=None, *, max_reserved: int | str | None = None, device: int = 0) -> Installation:
+    """Makes um_alloc PyTorch's CUDA allocator for this process.
+
+    Args:
+        policy: a policy file path, a bare name of a shipped policy ("best.yaml", "none"),
+            a dict, a Policy, or None for the UM_POLICY environment variable (else none.yaml).
+        max_reserved: overrides the policy's pool.max_reserved: bytes or a size ("16GiB").
+        device: the CUDA device (as CUDA numbers them) whose free memory sets the default cap.
+
+    Raises:
+        PolicyError: the policy or max_reserved is invalid (before any CUDA work).
+        RuntimeError: CUDA is already initialised, no GPU is visible, or um_alloc is already
+            installed with different settings.
+    """
+    global _installation, _allocator
+    chosen = load_policy(policy)
+    if _installation is not None:
+        if _installation.policy == chosen and max_reserved is None:
+            return _installation
+        raise RuntimeError(
+            f"um_alloc is already installed with policy {_installation.policy.name!r} "
+            f"({_installation.policy.source}); PyTorch cannot swap allocators in a running "
+            "process. Start a new process to use another policy."
+        )
+    _require_cuda_untouched()
+    memory = _device_memory_or_raise(device)
+    validate_for_device(chosen, memory.total_bytes)
+    cap = reserve_cap(chosen, max_reserved, memory)
+    _configure_core(chosen, cap)
+    _allocator = _swap_torch_allocator()
+    _installation = Installation(chosen, device, cap, memory.total_bytes, memory.free_bytes,
+                                 memory.used_bytes)
+    return _installation
+
+
+def is_installed() -> bool:
+    return _installation is not None
+
+
+def installation() -> Installation:
+    if _installation is None:
+        raise RuntimeError("um_alloc is not installed: call um_alloc.install() at the top of your "
+                           "script, before any CUDA work")
+    return _installation
+
+
+def reserve_cap(policy: Policy, override: int | str | None, memory: DeviceMemory) -> int:
+    """Bytes of managed memory the pool may reserve in total.
+
+    On a shared GPU the cap never exceeds the device's free memory minus pool.reserve_margin:
+    managed memory beyond what the card has free can hang the GPU for everyone on it.
+    """
+    if isinstance(override, str):
+        override = parse_size(override, key="max_reserved", source="install()")
+    requested = override if override is not None else policy.pool.max_reserved
+    if policy.pool.oversubscribe:
+        return requested if requested is not None else NO_CAP
+    margin = policy.pool.reserve_margin
+    safe = memory.free_bytes - margin
+    if safe <= 0:
+        raise RuntimeError(
+            f"um_alloc: device {memory.name} has {format_size(memory.free_bytes)} free, no more than "
+            f"pool.reserve_margin {format_size(margin)}; free GPU memory or lower the margin")
+    if requested is None:
+        return safe
+    if requested > safe:
+        raise PolicyError(
+            f"{policy.source}: max_reserved {format_size(requested)} is more than the device's free "
+            f"memory {format_size(memory.free_bytes)} minus pool.reserve_margin {format_size(margin)} "
+            f"= {format_size(safe)}; lower it, or set pool.oversubscribe: true on a GPU you do not share")
+    return requested
+
+
+def _require_cuda_untouched() -> None:
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "um_alloc.install() must run before any CUDA work, and CUDA is already initialised in "
+            "this process (a tensor or model was moved to the GPU, or torch.cuda was queried). Call "
+            "um_alloc.install() at the very top of your script, right after `import torch`.")
+
+
+def _device_memory_or_raise(device: int) -> DeviceMemory:
+    memory = device_memory(device)
+    if memory is None:
+        raise RuntimeError(f"um_alloc: no NVIDIA GPU {device} visible (NVML found none); um_alloc "
+                           "needs a CUDA device. Run with --allocator stock on machines without one.")
+    return memory
+
+
+def _configure_core(policy: Policy, cap: int) -> None:
+    lib = _lib.load()
+    if lib.um_configure(policy.pool.chunk_size, policy.pool.arena_size, cap) != 0:
+        raise RuntimeError(f"um_alloc: {_lib.last_error()[1]}")
+    for i, tag in enumerate(TAGS):
+        lib.um_set_default_tag_policy(i, tag_policy_struct(policy.tags[tag]))
+
+
+def _swap_torch_allocator():
+    import torch
+
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        str(_lib.library_path()), "um_torch_malloc", "um_torch_free")
+    hooks = allocator.allocator()
+    hooks.set_reset_fn(_lib.function_address("um_torch_empty_cache"))
+    hooks.set_record_stream_fn(_lib.function_address("um_torch_record_stream"))
+    torch.cuda.memory.change_current_allocator(allocator)
+    return allocator

@@ -1,0 +1,434 @@
+"""Allocation policies: YAML file -> dict -> frozen dataclasses, validated in one function.
+
+A policy says how the managed pool reserves memory (``pool``), what the out-of-core scheduler
+may keep resident (``scheduler``) and which ``cudaMemAdvise`` hints and prefetches apply to each
+allocation tag (``tags``). Every key is optional; its default is the dataclass field default
+below and is written nowhere else. ``policy_from_dict`` is the only validator: whatever the
+source (file, dict, ``UM_POLICY``), a policy goes through it, and every mistake comes back as
+one ``PolicyError`` naming the file, the dotted key, the allowed values and the value received.
+
+Nothing here touches CUDA; ``validate_for_device`` takes the device size as a plain number.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable, Hashable, Mapping
+
+import yaml
+
+from .tags import TAGS
+
+__all__ = ["KiB", "MiB", "GiB", "TiB", "PolicyError", "TagAdvice", "PoolSettings",
+           "SchedulerSettings", "Policy", "parse_size", "format_size", "packaged_policies_dir",
+           "resolve_policy_path", "load_policy", "policy_from_dict", "validate_for_device"]
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+LOCATIONS = ("gpu", "cpu", "none")
+ACCESSORS = ("gpu", "cpu")          # also the canonical order of TagAdvice.accessed_by
+CHUNK_MIN, CHUNK_MAX = 64 * KiB, 1 * GiB
+ENV_VAR = "UM_POLICY"
+DEFAULT_POLICY = "none"
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be used. ``str()`` is the whole message; the parts are attributes."""
+
+    def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
+        super().__init__(message)
+        self.source, self.key = source, key
+
+
+# ---------------------------------------------------------------- dataclasses (the defaults)
+@dataclass(frozen=True)
+class TagAdvice:
+    """Hints for one tag; mirrors ``um::TagPolicy`` in csrc/advice.hpp."""
+    preferred_location: str = "none"          # "gpu" | "cpu" | "none"
+    read_mostly: bool = False
+    accessed_by: tuple[str, ...] = ()         # subset of ACCESSORS, deduplicated, gpu first
+    prefetch: bool = False                    # prefetch to the GPU when allocated or retagged
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    chunk_size: int = 2 * MiB                 # bytes; power of two in [CHUNK_MIN, CHUNK_MAX]
+    arena_size: int = 1 * GiB                 # bytes per cudaMallocManaged; multiple of chunk_size
+    max_reserved: int | None = None           # bytes; None = auto (free at install - margin)
+    reserve_margin: int = 2 * GiB             # bytes left free by auto
+    oversubscribe: bool = False               # lift the cap derived from free device memory
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    budget: int | float | None = None         # int bytes, float fraction in (0, 1], None = none
+    schedule_window: int | None = None        # bytes; None = auto
+    min_swap_size: int = 1 * MiB              # bytes; smaller allocations are never swapped
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str                                  # file stem, e.g. "best"
+    source: str                                # path it came from, or "<dict>"
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    # hash=False: a mappingproxy is unhashable, and the other fields identify a policy anyway.
+    tags: Mapping[str, TagAdvice] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        # Consumers index tags[tag] for every tag, so fill the gaps here, once, in TAGS order.
+        unknown = sorted(set(self.tags) - set(TAGS))
+        if unknown:
+            raise _At(self.source, "tags").error("unknown tag", allowed=", ".join(TAGS),
+                                                 received=unknown[0])
+        full = {tag: self.tags.get(tag, TagAdvice()) for tag in TAGS}
+        object.__setattr__(self, "tags", types.MappingProxyType(full))
+
+    def budget_bytes(self, device_total_bytes: int) -> int | None:
+        """The GPU residency budget in bytes (a fraction resolved against the device), or None."""
+        budget = self.scheduler.budget
+        if isinstance(budget, float):
+            return int(budget * device_total_bytes)
+        return budget
+
+
+# ---------------------------------------------------------------- error context
+@dataclass(frozen=True)
+class _At:
+    """Where a value sits: the file and the dotted key. Builds the errors for that place."""
+    source: str
+    key: str = ""
+
+    def child(self, name: Any) -> _At:
+        return _At(self.source, f"{self.key}.{name}" if self.key else str(name))
+
+    def error(self, problem: str, *, allowed: str | None = None, received: Any = ...,
+              hint: str | None = None) -> PolicyError:
+        # "<file>: <key>: <problem> (got <value>; allowed: <values>). <hint>"
+        details = [f"got {received!r}"] if received is not ... else []
+        details += [f"allowed: {allowed}"] if allowed else []
+        text = f"{self.source}: {self.key}: {problem}" if self.key else f"{self.source}: {problem}"
+        text += f" ({'; '.join(details)})" if details else ""
+        text += f". {hint}" if hint else ""
+        return PolicyError(text, source=self.source, key=self.key or None)
+
+
+# ---------------------------------------------------------------- sizes
+_UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+_SIZE_ALLOWED = ("an integer number of bytes >= 0, or a string like 512KiB, 2MiB, 1.5GiB "
+                 "(units B, KiB, MiB, GiB, TiB)")
+
+
+def parse_size(value: Any, *, key: str, source: str) -> int:
+    """Bytes from an int >= 0 or a string "<number>[ ]<B|KiB|MiB|GiB|TiB>" (rounded to int).
+
+    Decimal units (KB, MB, GB, TB, K, M, G) are refused: people mean both 10**9 and 2**30 by
+    "GB", and a budget off by 7% is a silent OOM. Raises PolicyError naming key and source.
+    """
+    return _parse_size(value, _At(source, key), _SIZE_ALLOWED)
+
+
+def _parse_size(value: Any, at: _At, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise at.error("not a size", allowed=allowed, received=value)
+    if isinstance(value, float):
+        raise at.error("a bare decimal number is not a size", allowed=allowed,
+                       received=value, hint=f"Write the unit, e.g. '{value:g}GiB'.")
+    if isinstance(value, int):
+        if value < 0:
+            raise at.error("size must be >= 0", allowed=allowed, received=value)
+        return value
+    match = _SIZE_RE.fullmatch(value)
+    if not match:
+        negative = value.strip().startswith("-")
+        raise at.error("size must be >= 0" if negative else "unparsable size",
+                       allowed=allowed, received=value)
+    number, unit = match.groups()
+    if unit.lower() not in _UNITS:
+        raise at.error("unknown size unit", allowed=allowed, received=value,
+                       hint=_unit_hint(value, number, unit))
+    return round(Fraction(number) * _UNITS[unit.lower()])
+
+
+def _unit_hint(value: str, number: str, unit: str) -> str | None:
+    if not unit:
+        return f"A string needs a unit: write {number}B, or {number} unquoted for bytes."
+    binary = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}.get(unit[0].lower())
+    if binary and unit.lower() in (unit[0].lower(), unit[0].lower() + "b"):
+        power = {"KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40}[binary]
+        return (f"'{value.strip()}' is ambiguous: write {number}{binary} (2**{power}) "
+                f"or the exact number of bytes.")
+    return None
+
+
+def format_size(n: int) -> str:
+    """2097152 -> "2.0 MiB"; below 1 KiB, whole bytes ("512 B")."""
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- value converters
+Converter = Callable[[Any, _At], Any]
+
+
+def _bool(value: Any, at: _At) -> bool:
+    if isinstance(value, bool):
+        return value
+    hint = "Write true or false without quotes." if isinstance(value, str) else None
+    raise at.error("expected a boolean", allowed="true, false", received=value, hint=hint)
+
+
+def _choice(choices: tuple[str, ...], null: str | None = None) -> Converter:
+    def convert(value: Any, at: _At) -> str:
+        if value is None and null is not None:   # YAML `~` or an empty value
+            return null
+        if isinstance(value, str) and value in choices:
+            return value
+        raise at.error("invalid value", allowed=", ".join(choices), received=value)
+    return convert
+
+
+def _accessors(value: Any, at: _At) -> tuple[str, ...]:
+    allowed = f"a list, subset of [{', '.join(ACCESSORS)}]"
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise at.error("expected a list", allowed=allowed, received=value,
+                       hint=f"Write [{value}]." if value in ACCESSORS else None)
+    bad = [v for v in value if v not in ACCESSORS]
+    if bad:
+        raise at.error(f"invalid entry {bad[0]!r}", allowed=allowed, received=value)
+    return tuple(a for a in ACCESSORS if a in value)   # deduplicated, canonical order
+
+
+def _size(minimum: int = 0) -> Converter:
+    def convert(value: Any, at: _At) -> int:
+        n = _parse_size(value, at, _SIZE_ALLOWED)
+        if n < minimum:
+            raise at.error(f"must be at least {format_size(minimum)} ({minimum} bytes)",
+                           received=value)
+        return n
+    return convert
+
+
+def _size_or(word: str) -> Converter:
+    """A size > 0, or `word` / null meaning None (auto)."""
+    allowed = f"{word}, or a size > 0 like 512MiB or 4GiB"
+
+    def convert(value: Any, at: _At) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip() == word):
+            return None
+        n = _parse_size(value, at, allowed)
+        if n == 0:
+            raise at.error("size must be > 0", allowed=allowed, received=value)
+        return n
+    return convert
+
+
+def _chunk_size(value: Any, at: _At) -> int:
+    allowed = "a power of two from 64KiB to 1GiB (64KiB, 128KiB, ..., 2MiB, ..., 1GiB)"
+    n = _parse_size(value, at, allowed)
+    if n & (n - 1) or not CHUNK_MIN <= n <= CHUNK_MAX:
+        raise at.error(f"{n} bytes is not a power of two in range", allowed=allowed,
+                       received=value)
+    return n
+
+
+_BUDGET_ALLOWED = "none, a size > 0 like 8GiB, or a fraction of device memory 0 < f <= 1 like 0.5"
+
+
+def _budget(value: Any, at: _At) -> int | float | None:
+    if value is None or value == "none":
+        return None
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise at.error("fraction out of range (0, 1]", allowed=_BUDGET_ALLOWED,
+                           received=value)
+        return value
+    n = _parse_size(value, at, _BUDGET_ALLOWED)
+    if n == 0:
+        raise at.error("budget must be > 0", allowed=_BUDGET_ALLOWED, received=value)
+    return n
+
+
+_CONVERTERS: dict[type, dict[str, Converter]] = {
+    PoolSettings: {
+        "chunk_size": _chunk_size, "arena_size": _size(1), "max_reserved": _size_or("auto"),
+        "reserve_margin": _size(), "oversubscribe": _bool,
+    },
+    SchedulerSettings: {
+        "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
+    },
+    TagAdvice: {
+        "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,
+        "accessed_by": _accessors, "prefetch": _bool,
+    },
+}
+_SECTIONS = ("pool", "scheduler", "tags")
+
+
+# ---------------------------------------------------------------- the one validation function
+def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
+    """Validate an already-parsed policy and build it. The only place policies are checked."""
+    at = _At(source)
+    top = _mapping(data, at, what="a policy (sections: pool, scheduler, tags)")
+    _reject_unknown(top, _SECTIONS, at, what="section")
+    pool = _section(PoolSettings, top.get("pool"), at.child("pool"))
+    if pool.arena_size % pool.chunk_size:
+        raise at.child("pool.arena_size").error(
+            f"must be a multiple of chunk_size ({pool.chunk_size} bytes = "
+            f"{format_size(pool.chunk_size)}); it is "
+            f"{pool.arena_size % pool.chunk_size} bytes over", received=pool.arena_size)
+    if pool.max_reserved is not None and pool.max_reserved < pool.chunk_size:
+        raise at.child("pool.max_reserved").error(
+            f"must hold at least one chunk ({pool.chunk_size} bytes)", received=pool.max_reserved)
+    scheduler = _section(SchedulerSettings, top.get("scheduler"), at.child("scheduler"))
+    budget = scheduler.budget
+    if isinstance(budget, int) and budget < pool.chunk_size:
+        # Usually `budget: 1` meant "all of the device"; as an int it is one byte.
+        raise at.child("scheduler.budget").error(
+            f"an absolute budget must hold at least one chunk ({pool.chunk_size} bytes)",
+            allowed=_BUDGET_ALLOWED, received=budget,
+            hint="An integer is bytes; a fraction needs a decimal point, e.g. 1.0.")
+    return Policy(name=name, source=source, pool=pool, scheduler=scheduler,
+                  tags=_tags(top.get("tags"), at.child("tags")))
+
+
+def _mapping(value: Any, at: _At, *, what: str) -> Mapping:
+    if value is None:                 # an empty file or `pool:` with nothing under it
+        return {}
+    if not isinstance(value, Mapping):
+        raise at.error(f"expected a mapping ({what})", received=value)
+    return value
+
+
+def _reject_unknown(raw: Mapping, known: tuple[str, ...], at: _At, *, what: str) -> None:
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            raise at.child(key).error(
+                f"unknown {what}", allowed=", ".join(known), received=key,
+                hint=f"Did you mean {close[0]!r}?" if close else None)
+
+
+def _section(cls: type, raw: Any, at: _At) -> Any:
+    raw = _mapping(raw, at, what=f"keys: {', '.join(f.name for f in fields(cls))}")
+    convert = _CONVERTERS[cls]
+    _reject_unknown(raw, tuple(convert), at, what="key")
+    return cls(**{key: convert[key](value, at.child(key)) for key, value in raw.items()})
+
+
+def _tags(raw: Any, at: _At) -> dict[str, TagAdvice]:
+    raw = _mapping(raw, at, what=f"tag names: {', '.join(TAGS)}")
+    _reject_unknown(raw, TAGS, at, what="tag")
+    return {tag: _section(TagAdvice, value, at.child(tag)) for tag, value in raw.items()}
+
+
+# ---------------------------------------------------------------- device checks
+def validate_for_device(policy: Policy, device_total_bytes: int) -> None:
+    """Refuse settings that cannot fit a device of `device_total_bytes`. Raises PolicyError."""
+    at, total = _At(policy.source), device_total_bytes
+    device = f"device memory ({format_size(total)}, {total} bytes)"
+    budget = policy.budget_bytes(total)
+    if budget is not None and budget > total:
+        raise at.child("scheduler.budget").error(
+            f"larger than {device}", received=policy.scheduler.budget,
+            hint="A budget emulates a smaller GPU; it cannot exceed the real one.")
+    pool = policy.pool
+    if pool.oversubscribe:
+        return
+    if pool.max_reserved is not None and pool.max_reserved > total:
+        raise at.child("pool.max_reserved").error(
+            f"larger than {device} without pool.oversubscribe: true", received=pool.max_reserved)
+    if pool.max_reserved is None and pool.reserve_margin >= total:
+        raise at.child("pool.reserve_margin").error(
+            f"leaves nothing of {device} for max_reserved: auto", received=pool.reserve_margin)
+
+
+# ---------------------------------------------------------------- files and names
+def packaged_policies_dir() -> Path:
+    """The shipped policies: `um_alloc.policies` when installed, else the checkout's policies/."""
+    try:
+        from importlib.resources import files
+        packaged = files("um_alloc.policies")
+        # Only a real directory will do; a zip or a namespace MultiplexedPath falls through.
+        if isinstance(packaged, Path) and packaged.is_dir():
+            return packaged
+    except (ImportError, TypeError):
+        pass
+    here = Path(__file__).resolve().parent
+    installed = here / "policies"          # setuptools package_dir maps policies/ here
+    return installed if installed.is_dir() else here.parent / "policies"
+
+
+def _packaged_names() -> list[str]:
+    folder = packaged_policies_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def resolve_policy_path(name_or_path: str | os.PathLike) -> Path:
+    """An existing file as given; else a bare name ("best", "best.yaml") among packaged ones."""
+    path = Path(os.fspath(name_or_path)).expanduser()
+    if path.is_file():
+        return path
+    if path.parent == Path(".") and path.suffix in ("", ".yaml", ".yml"):
+        candidate = packaged_policies_dir() / f"{path.stem}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise PolicyError(f"{path}: policy file not found; packaged policies: "
+                      f"{', '.join(_packaged_names()) or '(none found)'}", source=str(path))
+
+
+def load_policy(source: Any = None) -> Policy:
+    """A Policy from None (env UM_POLICY, else packaged "none"), a path or bare name, a dict
+    (source "<dict>"), or a Policy (returned as is). Raises PolicyError for any bad input."""
+    if isinstance(source, Policy):
+        return source
+    if source is None:
+        source = os.environ.get(ENV_VAR) or DEFAULT_POLICY
+    if isinstance(source, Mapping):
+        return policy_from_dict(source, source="<dict>", name="<dict>")
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"load_policy: expected a path, name, mapping or Policy, "
+                        f"got {type(source).__name__}")
+    path = resolve_policy_path(source)
+    return policy_from_dict(_read_yaml(path), source=str(path), name=path.stem)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: silently keeping the last one hides mistakes."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue                   # SafeLoader's own check reports unhashable keys
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(f"{path}: cannot read policy file: {exc}", source=str(path)) from exc
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise PolicyError(f"{path}: {where}YAML syntax error: {problem}",
+                          source=str(path)) from exc

@@ -1,0 +1,82 @@
+"""Memory statistics of the installed allocator.
+
+PyTorch's torch.cuda.memory_stats() raises under a pluggable allocator, so um_alloc reports its
+own: live, peak and held bytes per tag, reserved bytes, fragmentation and its bound, and the
+calls the pool made to the driver.
+"""
+from __future__ import annotations
+
+from .device_info import device_memory
+from .install import installation
+from .policy import format_size
+from .pool import ChunkPool
+from .tags import TAGS
+
+# raw core name -> public name, for totals and per tag
+_TOTALS = {
+    "live_bytes_total": "live_bytes", "peak_live_bytes_total": "peak_live_bytes",
+    "reserved_bytes": "reserved_bytes", "peak_reserved_bytes": "peak_reserved_bytes",
+    "max_reserved_bytes": "limit_bytes", "arena_count": "arenas", "chunk_size": "chunk_size",
+    "large_blocks": "large_blocks", "small_blocks": "small_blocks", "small_chunks": "small_chunks",
+    "fragmentation_bytes": "fragmentation_bytes", "internal_waste_bytes": "internal_waste_bytes",
+    "internal_waste_bound_bytes": "internal_waste_bound_bytes", "free_chunk_bytes": "free_chunk_bytes",
+    "largest_free_run_bytes": "largest_free_run_bytes", "num_ooms": "num_ooms",
+    "advise_calls": "advise_calls", "prefetch_calls": "prefetch_calls",
+    "prefetch_bytes": "prefetch_bytes", "stream_waits": "stream_waits",
+    "backend_errors": "backend_errors",
+}
+_PER_TAG = {"live_bytes": "live_bytes", "peak_live_bytes": "peak_bytes", "held_bytes": "reserved_bytes",
+            "allocations": "allocations", "frees": "frees"}
+
+
+def memory_stats(device: int | None = None) -> dict:
+    """Statistics of the pool of `device` (default: the one install() was given).
+
+    Keys: live_bytes / peak_live_bytes (bytes asked for and still held by tensors), reserved_bytes /
+    peak_reserved_bytes (managed memory reserved), limit_bytes (the cap), fragmentation_bytes
+    (reserved - live) = internal_waste_bytes (rounding inside held chunks, always below
+    internal_waste_bound_bytes = chunks in use x chunk_size) + free_chunk_bytes, device_highwater_bytes
+    (NVML used now - at install: the driver keeps GPU pages once used, so this is a high-water
+    mark of GPU residency), counts of driver calls, and "tags": per tag live_bytes, peak_bytes,
+    reserved_bytes (whole chunks held), allocations, frees.
+    """
+    inst = installation()
+    device = inst.device if device is None else device
+    raw = ChunkPool.for_device(device).raw_stats()
+    stats = {public: raw[name] for name, public in _TOTALS.items()}
+    stats["tags"] = {t: {public: raw["tags"][t][name] for name, public in _PER_TAG.items()} for t in TAGS}
+    now = device_memory(device)
+    stats["device_highwater_bytes"] = None if now is None else now.used_bytes - inst.device_used_at_install
+    stats["policy"] = inst.policy.name
+    return stats
+
+
+def memory_summary(device: int | None = None) -> str:
+    """A human-readable table of memory_stats(), like torch.cuda.memory_summary()."""
+    s = memory_stats(device)
+    rows = [f"{'tag':<16}{'live':>12}{'peak':>12}{'reserved':>12}{'allocs':>10}"]
+    for t in TAGS:
+        v = s["tags"][t]
+        rows.append(f"{t:<16}{format_size(v['live_bytes']):>12}{format_size(v['peak_bytes']):>12}"
+                    f"{format_size(v['reserved_bytes']):>12}{v['allocations']:>10}")
+    rows.append(f"{'total':<16}{format_size(s['live_bytes']):>12}{format_size(s['peak_live_bytes']):>12}"
+                f"{format_size(s['reserved_bytes'] - s['free_chunk_bytes']):>12}")
+    limit = "none" if s["limit_bytes"] >= 2**63 else format_size(s["limit_bytes"])
+    highwater = "n/a" if s["device_highwater_bytes"] is None else format_size(s["device_highwater_bytes"])
+    width = len(rows[0])
+    lines = [
+        "=" * width,
+        f" um_alloc memory summary (policy {s['policy']}, chunk {format_size(s['chunk_size'])})",
+        "-" * width, *rows, "-" * width,
+        f" reserved {format_size(s['reserved_bytes'])} in {s['arenas']} arenas "
+        f"(peak {format_size(s['peak_reserved_bytes'])}, limit {limit})",
+        f" fragmentation {format_size(s['fragmentation_bytes'])}: rounding "
+        f"{format_size(s['internal_waste_bytes'])} (bound {format_size(s['internal_waste_bound_bytes'])}),"
+        f" free chunks {format_size(s['free_chunk_bytes'])}",
+        f" driver calls: advise {s['advise_calls']}, prefetch {s['prefetch_calls']} "
+        f"({format_size(s['prefetch_bytes'])}), stream waits {s['stream_waits']}, "
+        f"errors {s['backend_errors']}; OOMs {s['num_ooms']}",
+        f" GPU memory high-water since install (NVML): {highwater}",
+        "=" * width,
+    ]
+    return "\n".join(lines)
