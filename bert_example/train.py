@@ -302,7 +302,7 @@ def summarize(args, device, first_step, losses, seconds, streamer, limit, used_b
         "batch": args.batch_size,
         "micro_batch": streamer.last_micro_batch_size if streamer is not None else None,
         "seq_len": args.seq_len, "bf16": bf16, "memory_limit_bytes": limit,
-        "first_step": first_step, "steps": len(losses), "timed_steps": len(timed),
+        "first_step": first_step, "steps": len(losses), "timed_steps": len(timed), "step_s": seconds,
         "step_s_median": step_s, "samples_per_s": args.batch_size / step_s,
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
     }

@@ -142,6 +142,7 @@ Block* ChunkPool::grow(size_t rounded) {
   Block* b = new Block(arena->base, size, arena.get());
   arenas_.push_back(std::move(arena));
   stats_.reserved_bytes += size;
+  ++stats_.arena_reserves;
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   free_runs_.insert(b);
   return b;
@@ -308,6 +309,7 @@ size_t ChunkPool::release_free_arenas() {
     backend_->release(a->base, a->size);
     released += a->size;
     stats_.reserved_bytes -= a->size;
+    ++stats_.arena_releases;
     delete b;
     arenas_.erase(std::find_if(arenas_.begin(), arenas_.end(),
                                [a](const std::unique_ptr<Arena>& p) { return p.get() == a; }));

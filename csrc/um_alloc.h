@@ -44,6 +44,7 @@ typedef struct {
   uint64_t fragmentation_bytes, internal_waste_bytes, internal_waste_bound_bytes, free_chunk_bytes;
   uint64_t largest_free_run_bytes;
   uint64_t num_ooms, advise_calls, prefetch_calls, prefetch_bytes, stream_waits, backend_errors;
+  uint64_t arena_reserves, arena_releases; /* cudaMallocManaged / cudaFree calls (cudaFree syncs the device) */
 } um_stats;
 
 /* Pools. A host pool runs the same placement logic over host mappings, for tests. */

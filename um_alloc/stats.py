@@ -23,7 +23,8 @@ _TOTALS = {
     "largest_free_run_bytes": "largest_free_run_bytes", "num_ooms": "num_ooms",
     "advise_calls": "advise_calls", "prefetch_calls": "prefetch_calls",
     "prefetch_bytes": "prefetch_bytes", "stream_waits": "stream_waits",
-    "backend_errors": "backend_errors",
+    "backend_errors": "backend_errors", "arena_reserves": "arena_reserves",
+    "arena_releases": "arena_releases",
 }
 _PER_TAG = {"live_bytes": "live_bytes", "peak_live_bytes": "peak_bytes", "held_bytes": "reserved_bytes",
             "allocations": "allocations", "frees": "frees"}
@@ -75,7 +76,8 @@ def memory_summary(device: int | None = None) -> str:
         f" free chunks {format_size(s['free_chunk_bytes'])}",
         f" driver calls: advise {s['advise_calls']}, prefetch {s['prefetch_calls']} "
         f"({format_size(s['prefetch_bytes'])}), stream waits {s['stream_waits']}, "
-        f"errors {s['backend_errors']}; OOMs {s['num_ooms']}",
+        f"errors {s['backend_errors']}; OOMs {s['num_ooms']}; arenas reserved {s['arena_reserves']}, "
+        f"released {s['arena_releases']}",
         f" GPU memory high-water since install (NVML): {highwater}",
         "=" * width,
     ]
