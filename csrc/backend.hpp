@@ -28,6 +28,8 @@ class MemoryBackend {
   // Moves the hints on [p, p+n) from `from` to `to`, calling only for what differs.
   virtual bool advise(void* p, size_t n, const Advice& from, const Advice& to) noexcept = 0;
   virtual bool prefetch_to_gpu(void* p, size_t n, Stream s) noexcept = 0;
+  // Moves [p, p+n) to host memory, ordered on `s` after the work already enqueued there.
+  virtual bool prefetch_to_host(void* p, size_t n, Stream s) noexcept = 0;
 
   virtual const char* name() const noexcept = 0;
   const std::string& error() const noexcept { return error_; }

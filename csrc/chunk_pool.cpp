@@ -68,7 +68,7 @@ void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err)
 }
 
 void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, AllocError* err) {
-  Block* b = take_chunk_run(round_up(bytes, config_.chunk_size), stream, tag, err);
+  Block* b = take_chunk_run(round_up(bytes, config_.chunk_size), stream, tag, ChunkUse::large, err);
   if (!b) return nullptr;
   b->requested = bytes;
   live_.emplace(b->ptr, b);
@@ -83,8 +83,10 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError
   if (b) {
     free_set.erase(b);
     order_for_reuse(b, stream);
+    Arena* a = b->arena;
+    a->chunks[chunk_index(a, b->ptr, config_.chunk_size)].last_use = ++tick_;
   } else {
-    Block* chunk = take_chunk_run(config_.chunk_size, stream, tag, err);
+    Block* chunk = take_chunk_run(config_.chunk_size, stream, tag, ChunkUse::small, err);
     if (!chunk) return nullptr;
     chunk->is_container = true;
     stats_.held_bytes[static_cast<int>(tag)] += chunk->size;
@@ -103,7 +105,7 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError
 }
 
 // A run of whole chunks for `tag`, ordered after its previous users and carrying the tag's hints.
-Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, AllocError* err) {
+Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err) {
   Block* b = find_fit(free_runs_, rounded);
   if (!b) b = grow(rounded);
   // Cached arenas may hold the cap while no free run fits: return them and try once more.
@@ -117,7 +119,10 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, AllocEr
   order_for_reuse(b, stream);
   b->allocated = true;
   b->tag = tag;
+  claim_chunks(b, tag, use);
+  make_room(b, stream);     // evict before anything new comes onto the GPU
   apply_tag(b, tag, stream);
+  mark_resident(b);         // PyTorch hands it to GPU kernels: its pages will be on the GPU
   return b;
 }
 
@@ -212,7 +217,7 @@ void ChunkPool::prefetch_chunks(Arena* a, size_t first, size_t end, Stream strea
     ++stats_.prefetch_calls;
     stats_.prefetch_bytes += (j - i) * chunk;
     if (!backend_->prefetch_to_gpu(a->base + i * chunk, (j - i) * chunk, stream)) note_backend_failure();
-    for (size_t k = i; k < j; ++k) a->chunks[k].residency = Residency::gpu;
+    for (size_t k = i; k < j; ++k) set_residency(a, k, Residency::gpu);
     i = j;
   }
 }
@@ -250,6 +255,7 @@ bool ChunkPool::deallocate(void* ptr) noexcept {
 }
 
 void ChunkPool::release_chunk_run(Block* b) {
+  mark_free(b);
   b->allocated = false;
   b->is_container = false;
   merge_into_free(b, free_runs_);
@@ -354,7 +360,10 @@ bool ChunkPool::retag_locked(const void* ptr, Tag tag, Stream stream) {
   move_accounting(b, tag);
   b->tag = tag;
   // A small block shares its chunk's hints with its neighbours, so only its accounting moves.
-  if (!b->container) apply_tag(b, tag, stream);
+  if (!b->container) {
+    claim_chunks(b, tag, ChunkUse::large);
+    apply_tag(b, tag, stream);
+  }
   return true;
 }
 

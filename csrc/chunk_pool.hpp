@@ -33,9 +33,20 @@ struct PoolConfig {
 // Where the pool believes a chunk's pages are; the scheduler will keep this current.
 enum class Residency : uint8_t { untouched, gpu, host };
 
+enum class ChunkUse : uint8_t { free, large, small };
+
 struct ChunkState {
   Advice applied;  // hints currently set on the chunk
   Residency residency = Residency::untouched;
+  ChunkUse use = ChunkUse::free;
+  Tag tag = kDefaultTag;  // of the run holding it (the last one, while free)
+  uint64_t last_use = 0;  // pool tick of its last allocation or retag: the LRU order
+};
+
+struct BudgetConfig {
+  size_t budget = 0;  // bytes of GPU residency; 0 = no budget
+  size_t min_swap_size = size_t(1) << 20;
+  bool enabled = true;
 };
 
 struct Arena {
@@ -99,12 +110,14 @@ class ChunkPool {
   size_t empty_cache();  // bytes returned
   um_stats stats() const;
   void set_tag_policy(Tag tag, const TagPolicy& policy);
+  void set_budget(const BudgetConfig& budget);
+  BudgetConfig budget() const;
   std::string backend_error() const;
 
  private:
   void* allocate_large(size_t bytes, Stream stream, Tag tag, AllocError* err);
   void* allocate_small(size_t bytes, Stream stream, Tag tag, AllocError* err);
-  Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, AllocError* err);
+  Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err);
   Block* grow(size_t rounded);
   Block* find_fit(FreeSet& set, size_t size);
   void split(Block* b, size_t size, FreeSet& set);
@@ -116,6 +129,15 @@ class ChunkPool {
   void apply_tag(Block* run, Tag tag, Stream stream);
   void advise_chunks(Arena* a, size_t first, size_t end, const Advice& want);
   void prefetch_chunks(Arena* a, size_t first, size_t end, Stream stream);
+  // residency (budget.cpp)
+  void claim_chunks(Block* run, Tag tag, ChunkUse use);
+  void mark_resident(Block* run);
+  void mark_free(Block* run);
+  void set_residency(Arena* a, size_t i, Residency r);
+  void make_room(Block* run, Stream stream);
+  bool evict_one(Arena* skip_arena, size_t skip_first, size_t skip_end, Stream stream);
+  void evict_range(Arena* a, size_t first, size_t end, Stream stream);
+  size_t resident_bucket(const ChunkState& c) const;
   void count_live(Block* b, int sign);
   void move_accounting(Block* b, Tag to_tag);
   bool retag_locked(const void* ptr, Tag tag, Stream stream);
@@ -133,6 +155,8 @@ class ChunkPool {
   std::map<char*, Block*> live_;               // allocations handed out, by address
   um_stats stats_{};
   std::string backend_error_;
+  BudgetConfig budget_;
+  uint64_t tick_ = 0;
 };
 
 }  // namespace um

@@ -12,6 +12,7 @@ namespace {
 std::mutex g_mu;  // guards creation and the settings below; the hot path only reads g_pools
 PoolConfig g_config;
 std::array<TagPolicy, kNumTags> g_policies{};
+BudgetConfig g_budget;
 std::array<std::atomic<ChunkPool*>, kMaxDevices> g_pools{};
 // Process-wide rather than per thread: autograd runs backward on its own threads, and a tag
 // scope opened by the training loop must cover the allocations made there too.
@@ -49,6 +50,7 @@ ChunkPool* device_pool(int device) {
     // destructors may have run, so the pool must outlive everything.
     pool = new ChunkPool(std::make_unique<ManagedBackend>(device), g_config);
     for (int t = 0; t < kNumTags; ++t) pool->set_tag_policy(Tag(t), g_policies[t]);
+    pool->set_budget(g_budget);
     g_pools[device].store(pool, std::memory_order_release);
   }
   return pool;
@@ -87,6 +89,14 @@ int um_set_default_tag_policy(int tag, um_tag_policy policy) {
   um::g_policies[tag] = um::tag_policy_from(policy);
   for (auto& p : um::g_pools)
     if (um::ChunkPool* pool = p.load()) pool->set_tag_policy(um::Tag(tag), um::g_policies[tag]);
+  return 0;
+}
+
+int um_set_default_budget(size_t budget, size_t min_swap_size, int enabled) {
+  std::lock_guard<std::mutex> lock(um::g_mu);
+  um::g_budget = um::BudgetConfig{budget, min_swap_size, enabled != 0};
+  for (auto& p : um::g_pools)
+    if (um::ChunkPool* pool = p.load()) pool->set_budget(um::g_budget);
   return 0;
 }
 

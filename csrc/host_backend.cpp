@@ -16,5 +16,6 @@ void HostBackend::release(void* base, size_t bytes) noexcept { munmap(base, byte
 bool HostBackend::order_after(Stream, Stream) noexcept { return true; }
 bool HostBackend::advise(void*, size_t, const Advice&, const Advice&) noexcept { return true; }
 bool HostBackend::prefetch_to_gpu(void*, size_t, Stream) noexcept { return true; }
+bool HostBackend::prefetch_to_host(void*, size_t, Stream) noexcept { return true; }
 
 }  // namespace um

@@ -14,6 +14,7 @@ class HostBackend final : public MemoryBackend {
   bool order_after(Stream waiter, Stream producer) noexcept override;
   bool advise(void* p, size_t n, const Advice& from, const Advice& to) noexcept override;
   bool prefetch_to_gpu(void* p, size_t n, Stream s) noexcept override;
+  bool prefetch_to_host(void* p, size_t n, Stream s) noexcept override;
   const char* name() const noexcept override { return "host"; }
 };
 

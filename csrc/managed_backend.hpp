@@ -19,6 +19,7 @@ class ManagedBackend final : public MemoryBackend {
   bool order_after(Stream waiter, Stream producer) noexcept override;
   bool advise(void* p, size_t n, const Advice& from, const Advice& to) noexcept override;
   bool prefetch_to_gpu(void* p, size_t n, Stream s) noexcept override;
+  bool prefetch_to_host(void* p, size_t n, Stream s) noexcept override;
   const char* name() const noexcept override { return "managed"; }
 
  private:

@@ -45,6 +45,10 @@ typedef struct {
   uint64_t largest_free_run_bytes;
   uint64_t num_ooms, advise_calls, prefetch_calls, prefetch_bytes, stream_waits, backend_errors;
   uint64_t arena_reserves, arena_releases; /* cudaMallocManaged / cudaFree calls (cudaFree syncs the device) */
+  /* GPU residency as the pool believes it (chunks it placed or prefetched on the GPU and has not
+   * evicted); faults can bring evicted data back unseen, so NVML's high-water mark is the check. */
+  uint64_t resident_bytes[UM_NUM_TAGS], resident_free_bytes, resident_bytes_total, peak_resident_bytes;
+  uint64_t budget_bytes, min_swap_size, evictions, evicted_bytes, over_budget_allocations;
 } um_stats;
 
 /* Pools. A host pool runs the same placement logic over host mappings, for tests. */
@@ -65,6 +69,13 @@ size_t um_pool_empty_cache(um_pool* pool);
 void um_pool_stats(um_pool* pool, um_stats* out);
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
 const char* um_pool_backend_error(um_pool* pool);
+
+/* The GPU residency budget (0: none) and the smallest allocation it may swap; enabled=0 pauses
+ * eviction without forgetting the settings. Reactive mode: least recently used chunks are moved
+ * to host memory when an allocation would pass the budget; faults bring them back. */
+int um_pool_set_budget(um_pool* pool, size_t budget, size_t min_swap_size, int enabled);
+int um_pool_budget_enabled(um_pool* pool);
+int um_set_default_budget(size_t budget, size_t min_swap_size, int enabled);
 
 /* Settings for device pools; must precede the first device allocation. */
 int um_configure(size_t chunk_size, size_t arena_size, size_t max_reserved);

@@ -265,3 +265,81 @@ def test_retag_many_counts_what_it_found(make_pool):
     s = pool.raw_stats()
     assert s["tags"]["gradient"]["live_bytes"] == 3 * MiB + 1000
     assert s["tags"]["activation"]["live_bytes"] == 0
+
+
+# ---- GPU residency and the reactive budget ------------------------------------------------------
+
+def test_residency_follows_allocations_and_frees(make_pool):
+    pool = make_pool()
+    p = pool.malloc(3 * MiB, tag="parameter")
+    s = pool.raw_stats()
+    assert s["tags"]["parameter"]["resident_bytes"] == 4 * MiB == s["resident_bytes_total"]
+    pool.free(p)  # freed pages stay on the GPU until evicted: they still count
+    s = pool.raw_stats()
+    assert s["tags"]["parameter"]["resident_bytes"] == 0 and s["resident_free_bytes"] == 4 * MiB
+    assert s["resident_bytes_total"] == 4 * MiB
+
+
+def test_budget_evicts_least_recently_used_first(make_pool):
+    pool = make_pool(arena=64 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB)
+    a = pool.malloc(4 * MiB)
+    b = pool.malloc(4 * MiB)
+    c = pool.malloc(4 * MiB)  # over budget: a, the oldest, goes to host
+    s = pool.raw_stats()
+    assert (s["evictions"], s["evicted_bytes"], s["resident_bytes_total"]) == (1, 4 * MiB, 8 * MiB)
+    assert pool.block_at(a).residency == "host"
+    assert pool.block_at(b).residency == pool.block_at(c).residency == "gpu"
+    assert s["peak_resident_bytes"] <= 8 * MiB
+
+
+def test_budget_evicts_free_chunks_before_newer_live_blocks(make_pool):
+    pool = make_pool(arena=64 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB)
+    a = pool.malloc(4 * MiB)
+    b = pool.malloc(4 * MiB)
+    pool.free(a)
+    d = pool.malloc(6 * MiB)  # a's 4 MiB run is too small; a (free, oldest) goes, then b
+    s = pool.raw_stats()
+    assert s["evictions"] == 2 and s["resident_bytes_total"] == 6 * MiB
+    assert pool.block_at(b).residency == "host" and pool.block_at(d).residency == "gpu"
+
+
+def test_small_and_below_min_swap_allocations_stay(make_pool):
+    pool = make_pool(arena=64 * MiB)
+    pool.set_budget(4 * MiB, min_swap_size=8 * MiB)
+    small = [pool.malloc(4096, tag=t) for t in ("input", "other")]  # two small chunks
+    big = pool.malloc(4 * MiB)  # below min_swap_size: never a victim
+    pool.malloc(4 * MiB)
+    s = pool.raw_stats()
+    assert s["evictions"] == 0 and s["over_budget_allocations"] >= 1
+    assert all(pool.block_at(p).residency == "gpu" for p in small + [big])
+
+
+def test_disabled_budget_evicts_nothing(make_pool):
+    pool = make_pool(arena=64 * MiB)
+    pool.set_budget(4 * MiB, min_swap_size=1 * MiB, enabled=False)
+    assert not pool.budget_enabled()
+    for _ in range(4):
+        pool.malloc(4 * MiB)
+    s = pool.raw_stats()
+    assert s["evictions"] == 0 and s["resident_bytes_total"] == 16 * MiB and s["budget_bytes"] == 4 * MiB
+
+
+def test_random_workload_under_a_budget_keeps_accounting_consistent(make_pool):
+    pool = make_pool(arena=32 * MiB)
+    pool.set_budget(24 * MiB, min_swap_size=1 * MiB)
+    rng = random.Random(1)
+    live = {}
+    for _ in range(1500):
+        if live and rng.random() < 0.45:
+            victim = rng.choice(list(live))
+            del live[victim]
+            pool.free(victim)
+        else:
+            n = rng.choice([rng.randint(1, 8192), rng.randint(2 * MiB, 6 * MiB)])
+            live[pool.malloc(n)] = n
+        s = pool.raw_stats()
+        per_tag = sum(v["resident_bytes"] for v in s["tags"].values())
+        assert per_tag + s["resident_free_bytes"] == s["resident_bytes_total"] <= s["reserved_bytes"]
+    assert s["evictions"] > 0 and s["peak_resident_bytes"] <= 24 * MiB + 6 * MiB

@@ -9,7 +9,9 @@
     ...
     print(um_alloc.memory_summary())
 """
+from . import lms
 from .install import Installation, install, installation, is_installed
+from .lms import get_enabled_lms, get_limit_lms, get_size_lms, set_enabled_lms, set_limit_lms, set_size_lms
 from .policy import Policy, PolicyError, TagAdvice, format_size, load_policy, parse_size
 from .pool import BlockInfo, ChunkPool
 from .stats import memory_stats, memory_summary
@@ -21,6 +23,7 @@ __all__ = [
     "memory_stats", "memory_summary", "block_at", "ranges_for_tag",
     "load_policy", "Policy", "PolicyError", "TagAdvice", "parse_size", "format_size",
     "ChunkPool", "BlockInfo",
+    "set_enabled_lms", "get_enabled_lms", "set_limit_lms", "get_limit_lms", "set_size_lms", "get_size_lms",
 ]
 
 

@@ -41,10 +41,13 @@ TOTAL_FIELDS = (
     "num_ooms", "advise_calls", "prefetch_calls", "prefetch_bytes", "stream_waits", "backend_errors",
     "arena_reserves", "arena_releases",
 )
+RESIDENCY_FIELDS = ("resident_free_bytes", "resident_bytes_total", "peak_resident_bytes", "budget_bytes",
+                    "min_swap_size", "evictions", "evicted_bytes", "over_budget_allocations")
 
 
 class StatsC(ctypes.Structure):
-    _fields_ = [(f, _U64xT) for f in PER_TAG_FIELDS] + [(f, ctypes.c_uint64) for f in TOTAL_FIELDS]
+    _fields_ = ([(f, _U64xT) for f in PER_TAG_FIELDS] + [(f, ctypes.c_uint64) for f in TOTAL_FIELDS]
+                + [("resident_bytes", _U64xT)] + [(f, ctypes.c_uint64) for f in RESIDENCY_FIELDS])
 
 
 ERR_OOM = 1
@@ -66,6 +69,9 @@ _SIGNATURES = {
     "um_pool_stats": (None, [_P, ctypes.POINTER(StatsC)]),
     "um_pool_set_tag_policy": (_I, [_P, _I, TagPolicyC]),
     "um_pool_backend_error": (ctypes.c_char_p, [_P]),
+    "um_pool_set_budget": (_I, [_P, _SZ, _SZ, _I]),
+    "um_pool_budget_enabled": (_I, [_P]),
+    "um_set_default_budget": (_I, [_SZ, _SZ, _I]),
     "um_configure": (_I, [_SZ, _SZ, _SZ]),
     "um_set_default_tag_policy": (_I, [_I, TagPolicyC]),
     "um_set_current_tag": (None, [_I]),

@@ -60,7 +60,7 @@ def install(policy=None, *, max_reserved: int | str | None = None, device: int =
     memory = _device_memory_or_raise(device)
     validate_for_device(chosen, memory.total_bytes)
     cap = reserve_cap(chosen, max_reserved, memory)
-    _configure_core(chosen, cap)
+    _configure_core(chosen, cap, memory.total_bytes)
     _allocator = _swap_torch_allocator()
     _installation = Installation(chosen, device, cap, memory.total_bytes, memory.free_bytes,
                                  memory.used_bytes)
@@ -123,12 +123,14 @@ def _device_memory_or_raise(device: int) -> DeviceMemory:
     return memory
 
 
-def _configure_core(policy: Policy, cap: int) -> None:
+def _configure_core(policy: Policy, cap: int, device_total: int) -> None:
     lib = _lib.load()
     if lib.um_configure(policy.pool.chunk_size, policy.pool.arena_size, cap) != 0:
         raise RuntimeError(f"um_alloc: {_lib.last_error()[1]}")
     for i, tag in enumerate(TAGS):
         lib.um_set_default_tag_policy(i, tag_policy_struct(policy.tags[tag]))
+    budget = policy.budget_bytes(device_total) or 0
+    lib.um_set_default_budget(budget, policy.scheduler.min_swap_size, 1)
 
 
 def _swap_torch_allocator():

@@ -148,9 +148,17 @@ class ChunkPool:
     def raw_stats(self) -> dict:
         s = _lib.StatsC()
         self._lib.um_pool_stats(self._handle, ctypes.byref(s))
-        out = {f: getattr(s, f) for f in _lib.TOTAL_FIELDS}
-        out["tags"] = {tag: {f: getattr(s, f)[i] for f in _lib.PER_TAG_FIELDS} for i, tag in enumerate(TAGS)}
+        out = {f: getattr(s, f) for f in _lib.TOTAL_FIELDS + _lib.RESIDENCY_FIELDS}
+        per_tag = _lib.PER_TAG_FIELDS + ("resident_bytes",)
+        out["tags"] = {tag: {f: getattr(s, f)[i] for f in per_tag} for i, tag in enumerate(TAGS)}
         return out
+
+    def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True) -> None:
+        """GPU residency budget in bytes (0: none); allocations smaller than min_swap_size stay put."""
+        self._lib.um_pool_set_budget(self._handle, budget, min_swap_size, int(enabled))
+
+    def budget_enabled(self) -> bool:
+        return bool(self._lib.um_pool_budget_enabled(self._handle))
 
     def backend_error(self) -> str:
         return (self._lib.um_pool_backend_error(self._handle) or b"").decode()

@@ -24,10 +24,13 @@ _TOTALS = {
     "advise_calls": "advise_calls", "prefetch_calls": "prefetch_calls",
     "prefetch_bytes": "prefetch_bytes", "stream_waits": "stream_waits",
     "backend_errors": "backend_errors", "arena_reserves": "arena_reserves",
-    "arena_releases": "arena_releases",
+    "arena_releases": "arena_releases", "resident_bytes_total": "resident_bytes",
+    "peak_resident_bytes": "peak_resident_bytes", "resident_free_bytes": "resident_free_bytes",
+    "budget_bytes": "budget_bytes", "min_swap_size": "min_swap_size", "evictions": "evictions",
+    "evicted_bytes": "evicted_bytes", "over_budget_allocations": "over_budget_allocations",
 }
 _PER_TAG = {"live_bytes": "live_bytes", "peak_live_bytes": "peak_bytes", "held_bytes": "reserved_bytes",
-            "allocations": "allocations", "frees": "frees"}
+            "allocations": "allocations", "frees": "frees", "resident_bytes": "resident_bytes"}
 
 
 def memory_stats(device: int | None = None) -> dict:
@@ -38,8 +41,10 @@ def memory_stats(device: int | None = None) -> dict:
     (reserved - live) = internal_waste_bytes (rounding inside held chunks, always below
     internal_waste_bound_bytes = chunks in use x chunk_size) + free_chunk_bytes, device_highwater_bytes
     (NVML used now - at install: the driver keeps GPU pages once used, so this is a high-water
-    mark of GPU residency), counts of driver calls, and "tags": per tag live_bytes, peak_bytes,
-    reserved_bytes (whole chunks held), allocations, frees.
+    mark of GPU residency), resident_bytes / peak_resident_bytes (GPU residency as the pool
+    believes it; faults can bring evicted data back unseen), budget_bytes, evictions and
+    evicted_bytes, counts of driver calls, and "tags": per tag live_bytes, peak_bytes,
+    reserved_bytes (whole chunks held), resident_bytes, allocations, frees.
     """
     inst = installation()
     device = inst.device if device is None else device
@@ -78,6 +83,10 @@ def memory_summary(device: int | None = None) -> str:
         f"({format_size(s['prefetch_bytes'])}), stream waits {s['stream_waits']}, "
         f"errors {s['backend_errors']}; OOMs {s['num_ooms']}; arenas reserved {s['arena_reserves']}, "
         f"released {s['arena_releases']}",
+        f" GPU residency (pool's view) {format_size(s['resident_bytes'])}, peak "
+        f"{format_size(s['peak_resident_bytes'])}, budget "
+        f"{'none' if not s['budget_bytes'] else format_size(s['budget_bytes'])}; evictions {s['evictions']} "
+        f"({format_size(s['evicted_bytes'])})",
         f" GPU memory high-water since install (NVML): {highwater}",
         "=" * width,
     ]

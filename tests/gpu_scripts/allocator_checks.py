@@ -107,6 +107,20 @@ def check_empty_cache_and_stats():
             "summary_has_tags": all(t in summary for t in um_alloc.TAGS)}
 
 
+def check_lms_controls():
+    """The LMS-style functions read and write the pool's budget settings."""
+    um_alloc.install("none.yaml")
+    before = (um_alloc.get_enabled_lms(), um_alloc.get_limit_lms(), um_alloc.get_size_lms())
+    um_alloc.set_limit_lms("64MiB")
+    um_alloc.set_size_lms(2 * MiB)
+    um_alloc.set_enabled_lms(True)
+    tensors = [torch.empty(8 * MiB, dtype=torch.uint8, device="cuda") for _ in range(16)]  # 128 MiB
+    stats = um_alloc.memory_stats()
+    um_alloc.set_enabled_lms(False)
+    return {"before": before, "after": [um_alloc.get_enabled_lms(), um_alloc.get_limit_lms(), um_alloc.get_size_lms()],
+            "evictions": stats["evictions"], "resident": stats["resident_bytes"], "tensors": len(tensors)}
+
+
 def check_install_after_cuda():
     torch.zeros(1, device="cuda")
     try:

@@ -2,7 +2,8 @@
 
 Deterministic algorithms and fp32, so the stock allocator and um_alloc must give the same
 losses: the allocator changes where tensors live, never what is computed.
-Run: python tests/gpu_scripts/train_tiny.py {stock|um} POLICY STEPS [MAX_RESERVED]
+Run: python tests/gpu_scripts/train_tiny.py {stock|um} POLICY STEPS [MAX_RESERVED|none] [BUDGET]
+With BUDGET, the policy's scheduler.budget is set to it (the reactive mode keeps residency under it).
 """
 import json
 import os
@@ -14,8 +15,14 @@ import torch  # noqa: E402
 import um_alloc  # noqa: E402
 
 
-def main(allocator: str, policy: str, steps: int, max_reserved: str | None) -> dict:
+def main(allocator: str, policy: str, steps: int, max_reserved: str | None, budget: str | None) -> dict:
     if allocator == "um":
+        if budget is not None:
+            import yaml
+
+            settings = yaml.safe_load(um_alloc.policy.resolve_policy_path(policy).read_text()) or {}
+            settings.setdefault("scheduler", {})["budget"] = budget
+            policy = settings
         um_alloc.install(policy, max_reserved=max_reserved)
     from transformers import BertConfig, BertForMaskedLM
 
@@ -46,10 +53,14 @@ def main(allocator: str, policy: str, steps: int, max_reserved: str | None) -> d
         stats = um_alloc.memory_stats()
         out.update(reserved=stats["reserved_bytes"], peak_reserved=stats["peak_reserved_bytes"],
                    tags={t: v["live_bytes"] for t, v in stats["tags"].items()},
-                   backend_errors=stats["backend_errors"])
+                   backend_errors=stats["backend_errors"], evictions=stats["evictions"],
+                   evicted_bytes=stats["evicted_bytes"], peak_resident=stats["peak_resident_bytes"],
+                   highwater=stats["device_highwater_bytes"], budget=stats["budget_bytes"],
+                   over_budget_allocations=stats["over_budget_allocations"])
     return out
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    print(json.dumps(main(args[0], args[1], int(args[2]), args[3] if len(args) > 3 else None)))
+    max_reserved = args[3] if len(args) > 3 and args[3] != "none" else None
+    print(json.dumps(main(args[0], args[1], int(args[2]), max_reserved, args[4] if len(args) > 4 else None)))

@@ -1,0 +1,149 @@
+// GPU residency accounting and the reactive budget (the pool's half of the out-of-core work).
+//
+// Every chunk records whether the pool believes its pages are on the GPU. A run handed to PyTorch
+// is assumed to be touched by the GPU, so it becomes resident; prefetches make chunks resident;
+// evictions (prefetch to host) make them not. When an allocation would push residency past the
+// budget, least recently used chunks go to host memory first: free chunks (dead data) and live
+// blocks of at least min_swap_size, whole. Faults bring evicted data back when a kernel needs it,
+// unseen by the pool, so NVML's high-water mark is the external check on this accounting.
+#include <limits>
+
+#include "chunk_pool.hpp"
+
+namespace um {
+namespace {
+
+constexpr size_t kFreeBucket = kNumTags;  // resident bytes of free chunks
+
+}  // namespace
+
+size_t ChunkPool::resident_bucket(const ChunkState& c) const {
+  return c.use == ChunkUse::free ? kFreeBucket : static_cast<size_t>(c.tag);
+}
+
+void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
+  ChunkState& c = a->chunks[i];
+  const bool was = c.residency == Residency::gpu, now = r == Residency::gpu;
+  c.residency = r;
+  if (was == now) return;
+  const uint64_t n = config_.chunk_size;
+  uint64_t& bucket = resident_bucket(c) == kFreeBucket ? stats_.resident_free_bytes
+                                                       : stats_.resident_bytes[static_cast<int>(c.tag)];
+  if (now) {
+    bucket += n;
+    stats_.resident_bytes_total += n;
+    stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes_total);
+  } else {
+    bucket -= n;
+    stats_.resident_bytes_total -= n;
+  }
+}
+
+// A run taken for `tag`: its chunks' resident bytes move to the tag's bucket, and it becomes
+// the most recently used.
+void ChunkPool::claim_chunks(Block* run, Tag tag, ChunkUse use) {
+  Arena* a = run->arena;
+  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
+  const uint64_t now = ++tick_;
+  for (size_t i = first; i < first + run->size / config_.chunk_size; ++i) {
+    const Residency r = a->chunks[i].residency;
+    set_residency(a, i, Residency::host);  // out of its old bucket...
+    a->chunks[i].use = use;
+    a->chunks[i].tag = tag;
+    a->chunks[i].last_use = now;
+    set_residency(a, i, r);  // ...into the new one
+  }
+}
+
+void ChunkPool::mark_resident(Block* run) {
+  Arena* a = run->arena;
+  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
+  for (size_t i = first; i < first + run->size / config_.chunk_size; ++i) set_residency(a, i, Residency::gpu);
+}
+
+void ChunkPool::mark_free(Block* run) {
+  Arena* a = run->arena;
+  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
+  for (size_t i = first; i < first + run->size / config_.chunk_size; ++i) {
+    const Residency r = a->chunks[i].residency;
+    set_residency(a, i, Residency::host);
+    a->chunks[i].use = ChunkUse::free;
+    set_residency(a, i, r);
+  }
+}
+
+void ChunkPool::make_room(Block* run, Stream stream) {
+  if (!budget_.budget || !budget_.enabled) return;
+  Arena* a = run->arena;
+  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
+  const size_t end = first + run->size / config_.chunk_size;
+  uint64_t incoming = 0;
+  for (size_t i = first; i < end; ++i)
+    if (a->chunks[i].residency != Residency::gpu) incoming += config_.chunk_size;
+  while (stats_.resident_bytes_total + incoming > budget_.budget) {
+    if (!evict_one(a, first, end, stream)) {
+      ++stats_.over_budget_allocations;  // everything else is small or in use by this request
+      return;
+    }
+  }
+}
+
+// Evicts the least recently used evictable unit outside [skip_first, skip_end) of skip_arena.
+bool ChunkPool::evict_one(Arena* skip_arena, size_t skip_first, size_t skip_end, Stream stream) {
+  Arena* best_arena = nullptr;
+  size_t best = 0, best_end = 0;
+  uint64_t oldest = std::numeric_limits<uint64_t>::max();
+  for (auto& arena : arenas_) {
+    Arena* a = arena.get();
+    for (size_t i = 0; i < a->chunks.size(); ++i) {
+      const ChunkState& c = a->chunks[i];
+      if (c.residency != Residency::gpu || c.last_use >= oldest || c.use == ChunkUse::small) continue;
+      if (a == skip_arena && i >= skip_first && i < skip_end) continue;
+      size_t start = i, end = i + 1;
+      if (c.use == ChunkUse::free) {  // dead data: take the whole resident free stretch in one call
+        while (end < a->chunks.size() && a->chunks[end].use == ChunkUse::free &&
+               a->chunks[end].residency == Residency::gpu &&
+               !(a == skip_arena && end >= skip_first && end < skip_end))
+          ++end;
+      } else {  // a live block goes whole, if it is large enough to swap
+        Block* b = live_block_containing(a->base + i * config_.chunk_size);
+        if (!b) continue;
+        start = static_cast<size_t>(b->ptr - a->base) / config_.chunk_size;
+        end = start + b->size / config_.chunk_size;
+        const bool overlaps_request = a == skip_arena && start < skip_end && end > skip_first;
+        if (b->size < budget_.min_swap_size || overlaps_request) {
+          i = end - 1;  // skip the rest of this block
+          continue;
+        }
+      }
+      oldest = c.last_use, best_arena = a, best = start, best_end = end;
+      i = end - 1;
+    }
+  }
+  if (!best_arena) return false;
+  evict_range(best_arena, best, best_end, stream);
+  return true;
+}
+
+void ChunkPool::evict_range(Arena* a, size_t first, size_t end, Stream stream) {
+  const size_t chunk = config_.chunk_size;
+  ++stats_.evictions;
+  stats_.evicted_bytes += (end - first) * chunk;
+  if (!backend_->prefetch_to_host(a->base + first * chunk, (end - first) * chunk, stream))
+    note_backend_failure();
+  for (size_t i = first; i < end; ++i) set_residency(a, i, Residency::host);
+}
+
+void ChunkPool::set_budget(const BudgetConfig& budget) {
+  std::lock_guard<std::mutex> lock(mu_);
+  budget_ = budget;
+  stats_.budget_bytes = budget.budget;
+  stats_.min_swap_size = budget.min_swap_size;
+}
+
+BudgetConfig ChunkPool::budget() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return budget_;
+}
+
+}  // namespace um

@@ -1,0 +1,74 @@
+"""The controls users of IBM's Large Model Support know, as thin functions over um_alloc's settings.
+
+    set_enabled_lms(True)        # budget enforcement on or off (the policy's scheduler.budget stays)
+    set_limit_lms("10GiB")       # the GPU residency budget (scheduler.budget)
+    set_size_lms("1MiB")         # allocations smaller than this are never swapped (scheduler.min_swap_size)
+
+They act on the pool of the device um_alloc was installed for, from the next allocation on.
+Today the budget is kept reactively: least recently used chunks move to host memory when an
+allocation would pass it, and page faults bring them back when needed.
+"""
+from __future__ import annotations
+
+from .install import installation
+from .policy import parse_size
+from .pool import ChunkPool
+
+__all__ = ["set_enabled_lms", "get_enabled_lms", "set_limit_lms", "get_limit_lms", "set_size_lms",
+           "get_size_lms"]
+
+
+def _pool() -> ChunkPool:
+    return ChunkPool.for_device(installation().device)
+
+
+def _settings() -> tuple[int, int, bool]:
+    pool = _pool()
+    stats = pool.raw_stats()
+    return stats["budget_bytes"], stats["min_swap_size"], pool.budget_enabled()
+
+
+def _apply(limit: int, size: int, enabled: bool) -> None:
+    _pool().set_budget(limit, size, enabled)
+
+
+def _bytes(value: int | str, what: str) -> int:
+    if isinstance(value, str):
+        return parse_size(value, key=what, source="um_alloc.lms")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a size in bytes >= 0 or a string like '10GiB', got {value!r}")
+    return value
+
+
+def set_enabled_lms(enable: bool) -> None:
+    """Turns budget enforcement on or off without forgetting the limit."""
+    limit, size, _ = _settings()
+    _apply(limit, size, bool(enable))
+
+
+def get_enabled_lms() -> bool:
+    return _settings()[2]
+
+
+def set_limit_lms(limit: int | str) -> None:
+    """The GPU residency budget in bytes (or '10GiB'); 0 removes it."""
+    budget = _bytes(limit, "limit")
+    total = installation().device_total
+    if budget > total:
+        raise ValueError(f"limit {budget} bytes is larger than the device's {total} bytes")
+    _, size, enabled = _settings()
+    _apply(budget, size, enabled)
+
+
+def get_limit_lms() -> int:
+    return _settings()[0]
+
+
+def set_size_lms(size: int | str) -> None:
+    """Allocations smaller than `size` bytes (or '1MiB') are never swapped out."""
+    limit, _, enabled = _settings()
+    _apply(limit, _bytes(size, "size"), enabled)
+
+
+def get_size_lms() -> int:
+    return _settings()[1]
