@@ -134,6 +134,30 @@ void ChunkPool::evict_range(Arena* a, size_t first, size_t end, Stream stream) {
   for (size_t i = first; i < end; ++i) set_residency(a, i, Residency::host);
 }
 
+size_t ChunkPool::migrate(const void* ptr, bool to_gpu, Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Block* b = live_block_containing(ptr);
+  if (!b || b->container) return 0;
+  Arena* a = b->arena;
+  const size_t chunk = config_.chunk_size;
+  const size_t first = static_cast<size_t>(b->ptr - a->base) / chunk, end = first + b->size / chunk;
+  const Residency want = to_gpu ? Residency::gpu : Residency::host;
+  size_t moved = 0;
+  for (size_t i = first; i < end; ++i) moved += a->chunks[i].residency != want ? chunk : 0;
+  if (!moved) return 0;
+  if (to_gpu) {
+    a->chunks[first].last_use = ++tick_;
+    for (size_t i = first; i < end; ++i) a->chunks[i].last_use = tick_;
+    ++stats_.prefetch_calls;
+    stats_.prefetch_bytes += b->size;
+    if (!backend_->prefetch_to_gpu(b->ptr, b->size, stream)) note_backend_failure();
+    for (size_t i = first; i < end; ++i) set_residency(a, i, Residency::gpu);
+  } else {
+    evict_range(a, first, end, stream);
+  }
+  return moved;
+}
+
 void ChunkPool::set_budget(const BudgetConfig& budget) {
   std::lock_guard<std::mutex> lock(mu_);
   budget_ = budget;

@@ -112,6 +112,10 @@ size_t um_pool_retag_many(um_pool* pool, void* const* ptrs, size_t n, int tag, v
   return pool->pool->retag_many(const_cast<const void* const*>(ptrs), n, um::Tag(tag), stream);
 }
 
+size_t um_pool_migrate(um_pool* pool, const void* ptr, int to_gpu, void* stream) {
+  return pool->pool->migrate(ptr, to_gpu != 0, stream);
+}
+
 int um_pool_block_at(um_pool* pool, const void* ptr, um_block_info* out) {
   return pool->pool->block_at(ptr, out) ? 0 : -1;
 }

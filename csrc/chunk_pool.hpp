@@ -106,6 +106,10 @@ class ChunkPool {
   // retag() for many allocations under one lock; returns how many were found.
   size_t retag_many(const void* const* ptrs, size_t n, Tag tag, Stream stream);
   bool block_at(const void* ptr, um_block_info* out) const;
+  // Moves the chunks of the (large) allocation containing `ptr` to the GPU or to the host, on
+  // `stream`, and records where they now are. Returns the bytes moved (0: small, unknown, or
+  // already there): the scheduler's planned transfers go through here so residency stays true.
+  size_t migrate(const void* ptr, bool to_gpu, Stream stream);
   std::vector<um_range> ranges_for_tag(Tag tag) const;
   size_t empty_cache();  // bytes returned
   um_stats stats() const;

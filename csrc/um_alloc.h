@@ -64,6 +64,9 @@ int um_pool_retag(um_pool* pool, void* ptr, int tag, void* stream);
 /* Retags n allocations under one lock (one call per training step, not one per tensor); returns how many were found. */
 size_t um_pool_retag_many(um_pool* pool, void* const* ptrs, size_t n, int tag, void* stream);
 int um_pool_block_at(um_pool* pool, const void* ptr, um_block_info* out);
+/* Moves the large allocation containing ptr to the GPU (to_gpu=1) or host on `stream`, keeping the
+ * pool's residency true; returns bytes moved (0: small, unknown or already there). */
+size_t um_pool_migrate(um_pool* pool, const void* ptr, int to_gpu, void* stream);
 size_t um_pool_ranges_for_tag(um_pool* pool, int tag, um_range* out, size_t capacity);
 size_t um_pool_empty_cache(um_pool* pool);
 void um_pool_stats(um_pool* pool, um_stats* out);

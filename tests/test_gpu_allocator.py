@@ -91,3 +91,13 @@ def test_lms_controls_set_the_budget(cuda_device):
     assert found["before"] == [True, 0, 1 << 20]
     assert found["after"] == [False, 64 * MiB, 2 * MiB]
     assert found["evictions"] > 0 and found["resident"] <= 64 * MiB
+
+
+def test_planned_scheduler_replays_its_plan_with_the_same_losses(cuda_device):
+    stock = run_script(SCRIPTS / "train_tiny.py", "stock", "none", 8)["losses"]
+    um = run_script(SCRIPTS / "train_tiny.py", "um", "best.yaml", 8, "none", "96MiB", "planned")
+    assert um["plan_out_bytes"] > 0, "the budget must force the plan to swap"
+    assert um["diverged"] is None and um["replay_bytes_out"] > 0 and um["replay_bytes_in"] > 0
+    for a, b in zip(um["losses"], stock):
+        assert abs(a - b) <= 1e-5 * abs(b), (um["losses"], stock)
+    assert um["highwater"] <= 96 * MiB + (1 << 30), um

@@ -343,3 +343,17 @@ def test_random_workload_under_a_budget_keeps_accounting_consistent(make_pool):
         per_tag = sum(v["resident_bytes"] for v in s["tags"].values())
         assert per_tag + s["resident_free_bytes"] == s["resident_bytes_total"] <= s["reserved_bytes"]
     assert s["evictions"] > 0 and s["peak_resident_bytes"] <= 24 * MiB + 6 * MiB
+
+
+def test_migrate_moves_whole_allocations_and_keeps_residency_true(make_pool):
+    pool = make_pool()
+    p = pool.malloc(3 * MiB)
+    small = pool.malloc(4096)
+    assert pool.migrate(p + 10, to_gpu=False) == 4 * MiB  # any address inside; whole chunks
+    assert pool.block_at(p).residency == "host" and pool.raw_stats()["resident_bytes_total"] == 2 * MiB
+    assert pool.migrate(p, to_gpu=False) == 0  # already there
+    assert pool.migrate(small, to_gpu=False) == 0  # small blocks share chunks: never moved alone
+    assert pool.migrate(p, to_gpu=True) == 4 * MiB
+    s = pool.raw_stats()
+    assert pool.block_at(p).residency == "gpu" and s["resident_bytes_total"] == 6 * MiB
+    assert s["evicted_bytes"] == 4 * MiB and s["prefetch_bytes"] == 4 * MiB

@@ -63,6 +63,7 @@ _SIGNATURES = {
     "um_pool_record_stream": (_I, [_P, _P, _P]),
     "um_pool_retag": (_I, [_P, _P, _I, _P]),
     "um_pool_retag_many": (_SZ, [_P, ctypes.POINTER(ctypes.c_void_p), _SZ, _I, _P]),
+    "um_pool_migrate": (_SZ, [_P, _P, _I, _P]),
     "um_pool_block_at": (_I, [_P, _P, ctypes.POINTER(BlockInfoC)]),
     "um_pool_ranges_for_tag": (_SZ, [_P, _I, ctypes.POINTER(RangeC), _SZ]),
     "um_pool_empty_cache": (_SZ, [_P]),

@@ -121,6 +121,10 @@ class ChunkPool:
         array = (ctypes.c_void_p * len(ptrs))(*ptrs)
         return self._lib.um_pool_retag_many(self._handle, array, len(ptrs), tag_index(tag), stream)
 
+    def migrate(self, ptr: int, to_gpu: bool, stream: int = 0) -> int:
+        """Moves the large allocation containing ptr to the GPU or the host on `stream`; bytes moved."""
+        return self._lib.um_pool_migrate(self._handle, ptr, int(to_gpu), stream)
+
     def block_at(self, ptr: int) -> BlockInfo | None:
         info = _lib.BlockInfoC()
         if self._lib.um_pool_block_at(self._handle, ptr, ctypes.byref(info)) != 0:

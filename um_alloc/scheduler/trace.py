@@ -113,14 +113,23 @@ class TraceRecorder:
             for p in module.parameters(recurse=False):
                 self._use(p)
             self._name = name
+            self._before_function(len(self.trace.functions))
         return hook
 
     def _closer(self):
         def hook(*args):
             if self._current is not None:
                 self.trace.functions.append(Function(self._name, tuple(dict.fromkeys(self._current))))
+                self._after_function(len(self.trace.functions) - 1)
             self._current = None
         return hook
+
+    # Subclasses act at function boundaries (the executor replays a plan there).
+    def _before_function(self, index: int) -> None:
+        pass
+
+    def _after_function(self, index: int) -> None:
+        pass
 
     def _use(self, tensor) -> int | None:
         storage = tensor.untyped_storage()

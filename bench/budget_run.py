@@ -1,0 +1,156 @@
+"""One BERT-Large MLM training run under a GPU memory budget, by one method; prints a JSON line.
+
+Methods: stock (in memory, no budget), save_on_cpu and checkpointing (stock PyTorch limited to
+the budget by set_per_process_memory_fraction), reactive (um_alloc none.yaml + scheduler.budget:
+LRU eviction, faults bring data back), planned (um_alloc best.yaml + budget + the trace/plan/
+replay scheduler). Run by bench/bench_budget.py, one process per method.
+
+    python bench/budget_run.py planned --budget 16GiB --batch 32 --steps 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "planned")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("method", choices=METHODS)
+    p.add_argument("--budget", default="16GiB")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=24)
+    return p.parse_args()
+
+
+def setup(args, budget: int):
+    import torch
+
+    import um_alloc
+
+    if args.method in ("reactive", "planned"):
+        policy = "none.yaml" if args.method == "reactive" else "best.yaml"
+        um_alloc.install({**_policy_dict(policy), "scheduler": {"budget": budget}})
+    elif args.method != "stock":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(budget / total)
+    return torch.device("cuda", 0)
+
+
+def _policy_dict(name: str) -> dict:
+    import yaml
+
+    from um_alloc.policy import resolve_policy_path
+
+    return yaml.safe_load(resolve_policy_path(name).read_text()) or {}
+
+
+def build(args, device):
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    import um_alloc
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=1024, num_hidden_layers=args.layers, num_attention_heads=16,
+                        intermediate_size=4096, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    um = um_alloc.is_installed()
+    with um_alloc.tag("parameter") if um else _null():
+        model = BertForMaskedLM(config).to(device)
+    if args.method == "checkpointing":
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if um:
+        um_alloc.tag_training(model, opt)
+    return model, opt, config
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def batches(args, vocab: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    while True:
+        ids = torch.randint(5, vocab, (args.batch, args.seq_len), generator=gen)
+        labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, -100)
+        yield ids, labels
+
+
+def run_step(args, model, opt, ids, labels, scheduler):
+    import torch
+
+    import um_alloc
+
+    ids, labels = ids.cuda(non_blocking=True), labels.cuda(non_blocking=True)
+    if um_alloc.is_installed():
+        um_alloc.retag((ids, labels), "input")
+    offload = torch.autograd.graph.save_on_cpu(pin_memory=True) if args.method == "save_on_cpu" else _null()
+    with scheduler.step() if scheduler else _null(), offload:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def main():
+    args = parse_args()
+    import torch
+
+    import um_alloc
+    from um_alloc.device_info import device_memory
+
+    budget = um_alloc.parse_size(args.budget, key="--budget", source="command line")
+    used_before = (device_memory(0) or type("M", (), {"used_bytes": 0})).used_bytes
+    device = setup(args, budget)
+    model, opt, config = build(args, device)
+    scheduler = None
+    if args.method == "planned":
+        from um_alloc.scheduler.execute import OutOfCoreScheduler
+
+        scheduler = OutOfCoreScheduler(model, budget)
+    losses, times = [], []
+    data = batches(args, config.vocab_size)
+    for _ in range(args.steps):
+        ids, labels = next(data)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(run_step(args, model, opt, ids, labels, scheduler))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[args.warmup:] or times)
+    out = {"method": args.method, "batch": args.batch, "budget_bytes": budget if args.method != "stock" else None,
+           "device": torch.cuda.get_device_name(0), "step_s": times, "step_s_median": step_s,
+           "samples_per_s": args.batch / step_s, "losses": losses,
+           "highwater_bytes": (device_memory(0).used_bytes - used_before) if device_memory(0) else None}
+    if um_alloc.is_installed():
+        s = um_alloc.memory_stats()
+        out.update({k: s[k] for k in ("evictions", "evicted_bytes", "prefetch_bytes", "peak_resident_bytes",
+                                      "over_budget_allocations", "peak_reserved_bytes")})
+    else:
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(0)
+    if scheduler is not None and scheduler.plan is not None:
+        last = scheduler.last
+        out.update(plan_out_bytes=scheduler.plan.swap_out_bytes, plan_in_bytes=scheduler.plan.swap_in_bytes,
+                   plan_peak=scheduler.plan.peak_bytes, plan_budget=scheduler.plan.budget,
+                   functions=len(scheduler.trace.functions), diverged=getattr(last, "diverged", None),
+                   last_bytes_out=getattr(last, "bytes_out", None), last_bytes_in=getattr(last, "bytes_in", None))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
