@@ -80,10 +80,10 @@ def test_reactive_budget_gives_the_same_losses_within_the_budget(cuda_device):
     assert um["budget"] == budget and um["evictions"] > 0
     for a, b in zip(um["losses"], stock):
         assert abs(a - b) <= 1e-5 * abs(b), (um["losses"], stock)
-    # NVML's used memory never drops for managed pages, so its growth is a high-water mark of
-    # residency; the constant covers the CUDA context and cuBLAS workspaces made after install.
-    assert um["highwater"] <= budget + (1 << 30), um
     assert um["backend_errors"] == 0
+    # No high-water check here: this model's whole footprint plus the CUDA context is about the
+    # 1 GiB constant such a check allows, so it could not fail. At BERT-Large scale the budget is
+    # not yet kept (bench/results/budget_16GiB_b32_reactive.json: 26.4 GiB at a 16 GiB budget).
 
 
 def test_lms_controls_set_the_budget(cuda_device):
@@ -100,4 +100,3 @@ def test_planned_scheduler_replays_its_plan_with_the_same_losses(cuda_device):
     assert um["diverged"] is None and um["replay_bytes_out"] > 0 and um["replay_bytes_in"] > 0
     for a, b in zip(um["losses"], stock):
         assert abs(a - b) <= 1e-5 * abs(b), (um["losses"], stock)
-    assert um["highwater"] <= 96 * MiB + (1 << 30), um
