@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="DIR", help="save checkpoints in DIR")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="steps between checkpoints (default 10)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR")
+    p.add_argument("--offload", choices=("save_on_cpu",), help="keep saved activations in (pinned) host memory")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing: recompute in backward")
+    p.add_argument("--profile", action="store_true", help="CUPTI unified-memory counters per step (or UM_PROFILE=1)")
+    p.add_argument("--timeline", metavar="PNG", help="draw memory per tag and GPU faults over the last step")
     return p
 
 
@@ -257,6 +261,14 @@ def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype):
     return step, None
 
 
+def save_on_cpu(step_fn, device: torch.device):
+    """Saved activations go to host memory (pinned on CUDA) in forward and return in backward."""
+    def step(batch):
+        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+            return step_fn(batch)
+    return step
+
+
 def train_loop(args, step_fn, source, first_step: int, on_step_done) -> tuple[list[float], list[float]]:
     """Runs steps first_step..args.steps-1 with a progress bar; returns (losses, step seconds)."""
     from tqdm import tqdm
@@ -345,10 +357,16 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError) as error:
         parser.error(str(error))
 
+    from um_alloc.profile.training import TrainingProfiler
+
+    profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
     used_before = _device_used(device)
     with _tag_context(args, "parameter"):
         model = build_model(args, source.vocab_size, device)
+    if args.checkpointing:  # per layer; transformers 5 renamed gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     if args.allocator == "um":
         import um_alloc
@@ -363,9 +381,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.no_bf16 else None
     step_fn, streamer = make_step_fn(args, model, optimizer, device, autocast_dtype)
+    step_fn = save_on_cpu(step_fn, device) if args.offload == "save_on_cpu" else step_fn
+    step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
     losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done)
     summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
+    summary.update(offload=args.offload, checkpointing=args.checkpointing, **profiler.finish(args.warmup_steps))
     print_summary(summary, args.allocator)
+    profiler.report(summary)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str) + "\n")

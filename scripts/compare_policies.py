@@ -1,0 +1,181 @@
+"""Compare memory-advise policies on the BERT example: one process per policy, same workload and
+budget, CUPTI counters on in every run (so every run pays the same profiling overhead).
+
+    python scripts/compare_policies.py --memory-limit 16GiB                  # the default set
+    python scripts/compare_policies.py --batch-size 32 my_policy.yaml other.yaml
+    python scripts/compare_policies.py --dry-run                             # what would run
+
+Default set: none, worst, best; then ablations of best: advice only (best's hints, no
+prefetch) and prefetch only (best's prefetches, no hints). Ablations that need the scheduler
+(issue 3) are listed and skipped unless their policy validates AND --include-scheduler is given:
+scheduler on/off (best with and without scheduler.budget), each eviction path, three schedule
+windows. The eviction-path key (scheduler.eviction) is a proposal the policy does not accept yet,
+so those stay skipped until the scheduler offers a choice of path.
+
+Budgets: --memory-limit caps the managed memory of every run (pool.max_reserved: past it, OOM);
+--budget sets scheduler.budget (GPU residency; the scheduler evicts to keep it) in a copy of
+every policy. The scheduler ablations use --budget, else --memory-limit.
+
+Writes OUT/policies.csv and .md (per-step counters are means over the timed steps), OUT/*.png
+(step time, throughput, GPU faults, migrated bytes by direction and cause, high-water mark),
+OUT/results.json, and OUT/policies/*.yaml (the generated ablations, to re-run one by hand).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from _common import (MEMORY_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args, counter_columns, out_dir,
+                     print_plan, raw_policy, row, run_train, validation_error, workload_args, write_all, write_policy)
+
+from um_alloc.policy import PolicyError, TagAdvice, load_policy  # noqa: E402
+
+SHIPPED = [("none", "no advice, no prefetch: pages move on faults only"),
+           ("worst", "the opposite of best: everything prefers the CPU, nothing is prefetched"),
+           ("best", "Choi & Lee's advice plus prefetch on every tag but other")]
+NEEDS_SCHEDULER = "needs the scheduler (issue 3)"
+EVICTION_PATHS = {"prefetch_to_host": "evict by cudaMemPrefetchAsync to the host",
+                  "copy_and_discard": "evict by a pinned copy out + cudaMemDiscardBatchAsync",
+                  "reactive": "evict least-recently-used chunks over budget, let faults bring them back"}
+WINDOWS = ("256MiB", "1GiB", "4GiB")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("policies", nargs="*", help="extra policy files, run after the default set")
+    add_workload_args(p)
+    p.add_argument("--budget", metavar="SIZE", help="scheduler.budget for every policy (copies under OUT/policies/)")
+    p.add_argument("--include-scheduler", action="store_true", help="also run scheduler ablations whose policy validates")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated names to run (others are listed as skipped)")
+    p.add_argument("--timeline", action="store_true", help="also draw each run's last step (OUT/timeline_NAME.png)")
+    return p.parse_args(argv)
+
+
+def tag_dict(advice: TagAdvice) -> dict:
+    return {"preferred_location": advice.preferred_location, "read_mostly": advice.read_mostly,
+            "accessed_by": list(advice.accessed_by), "prefetch": advice.prefetch}
+
+
+def ablations(budget: str | None) -> list[tuple[str, dict, str, bool]]:
+    """(name, policy dict, description, needs the scheduler) for each generated policy."""
+    best = {tag: tag_dict(a) for tag, a in load_policy("best").tags.items() if a != TagAdvice()}
+    advice = {t: {**a, "prefetch": False} for t, a in best.items()}
+    prefetch = {t: {"prefetch": True} for t, a in best.items() if a["prefetch"]}
+    sched = {"budget": budget} if budget else {}
+    out = [("advice_only", {"tags": advice}, "best's hints, no prefetch", False),
+           ("prefetch_only", {"tags": prefetch}, "best's prefetches, no hints", False),
+           ("scheduler_off", {"tags": best}, "best, no scheduler.budget: nothing evicts", True),
+           ("scheduler_on", {"tags": best, "scheduler": sched}, f"best, scheduler.budget {budget}", True)]
+    out += [(f"evict_{path}", {"tags": best, "scheduler": {**sched, "eviction": path}}, f"best, {text}", True)
+            for path, text in EVICTION_PATHS.items()]
+    out += [(f"window_{size}", {"tags": best, "scheduler": {**sched, "schedule_window": size}},
+             f"best, schedule_window {size}", True) for size in WINDOWS]
+    return out
+
+
+def plan(args, out: Path) -> list[Run]:
+    common = workload_args(args) + ["--allocator", "um", "--profile"]
+    common += ["--memory-limit", args.memory_limit] if args.memory_limit else []
+
+    def make(name: str, data: dict | None, source: str, description: str, skip: str | None = None,
+             budget: bool = True) -> Run:
+        """A run of policy `source` as is, or of `data` (plus --budget) written to OUT/policies/NAME.yaml."""
+        policy = source
+        if data is not None:
+            if args.budget and budget and not skip:
+                data = {**data, "scheduler": {**data.get("scheduler", {}), "budget": args.budget}}
+            path = out / "policies" / f"{name}.yaml"
+            error = validation_error(data, str(path), name)
+            skip = skip or (f"policy does not validate: {error}" if error else None)
+            if not args.dry_run:
+                write_policy(path.parent, name, data, description)
+            policy = str(path)
+        extra = ["--timeline", str(out / f"timeline_{name}.png")] if args.timeline else []
+        return Run(name, description, [*common, "--policy", policy, *extra], skip=skip)
+
+    runs = [make(name, raw_policy(f"{name}.yaml") if args.budget else None, f"{name}.yaml", text)
+            for name, text in SHIPPED]
+    for name, data, text, needs_scheduler in ablations(args.budget or args.memory_limit):
+        error = validation_error(data, name, name)
+        skip = None
+        if needs_scheduler and not args.include_scheduler:
+            skip = f"{NEEDS_SCHEDULER}; pass --include-scheduler to run it"
+        elif error:
+            skip = f"{NEEDS_SCHEDULER}: policy does not validate yet: {error}"
+        runs.append(make(name, data, name, text, skip, budget=name != "scheduler_off"))
+    for file in args.policies:
+        error = _file_error(file)
+        data = raw_policy(file) if args.budget and not error else None
+        runs.append(make(Path(file).stem, data, str(Path(file).resolve()), f"policy file {file}", error))
+    if args.only:
+        wanted = set(args.only.split(","))
+        for run in runs:
+            run.skip = run.skip or (None if run.name in wanted else "not in --only")
+    return runs
+
+
+def _file_error(file: str) -> str | None:
+    try:
+        load_policy(file)
+    except (PolicyError, OSError) as error:
+        return f"does not load: {error}"
+    return None
+
+
+def execute(runs: list[Run], timeout: int, runner=run_train) -> list[dict]:
+    rows = []
+    for run in runs:
+        if run.skip:
+            print(f"[{run.name}] skipped: {run.skip}", flush=True)
+            rows.append(row(run, None, "skipped"))
+            continue
+        summary, status, note = runner(run, timeout)
+        rows.append(row(run, summary, status, note))
+    return rows
+
+
+def report(rows: list[dict], out: Path, args) -> list[Path]:
+    from um_alloc.profile import charts
+
+    add_ratio(rows, "none", "ratio_vs_none")
+    columns = [*RUN_COLUMNS, ("ratio_vs_none", "vs none", "ratio"), *MEMORY_COLUMNS, *counter_columns()]
+    notes = [f"Workload: BERT-{args.model} MLM, batch {args.batch_size}, seq {args.seq_len}, {args.steps} steps "
+             f"({args.warmup_steps} warm-up), memory limit {args.memory_limit or 'none'}, scheduler.budget "
+             f"{args.budget or 'none'}; one process per policy, CUPTI counters on in all.",
+             "Counters are means per timed step. HtoD 'fault' is CUPTI's COHERENCE cause (page faults), "
+             "'prefetch' its USER cause (cudaMemPrefetchAsync), 'speculative' the driver's own prefetch.",
+             "GPU high-water: NVML used at the end minus at the start (the driver keeps pages it has used).",
+             *[f"{r['name']}: {r['note']}" for r in rows if r["note"]]]
+    paths = write_all(rows, out, "policies", md_columns=columns, title="Memory-advise policies", notes=notes)
+    drawn = [r for r in rows if r["status"] != "skipped"]
+    labels = [r["name"] for r in drawn]
+    for key, name, title, ylabel, kind in (
+            ("step_s_median", "step_time", "Median step time", "step time", "seconds"),
+            ("samples_per_s", "throughput", "Throughput", "samples/s", "rate"),
+            ("gpu_page_faults", "gpu_page_faults", "GPU page-fault groups per timed step", "faults", "count"),
+            ("highwater_bytes", "highwater", "GPU memory high-water mark (NVML)", "bytes", "bytes")):
+        paths.append(charts.bar_chart(labels, [r.get(key) for r in drawn], out / f"{name}.png",
+                                      title=title, ylabel=ylabel, kind=kind))
+    paths.append(charts.migrated_bytes_chart(labels, drawn, out / "migrated_bytes.png",
+                                             title="Migrated bytes per timed step, by direction and cause"))
+    return paths
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = out_dir(args, "compare_policies")
+    runs = plan(args, out)
+    print(f"compare_policies: {sum(not r.skip for r in runs)} runs, {sum(bool(r.skip) for r in runs)} skipped -> {out}")
+    print_plan(runs)
+    if args.dry_run:
+        return 0
+    rows = execute(runs, args.timeout)
+    paths = report(rows, out, args)
+    print((out / "policies.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
