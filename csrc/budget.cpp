@@ -11,14 +11,13 @@
 #include "chunk_pool.hpp"
 
 namespace um {
-namespace {
+uint64_t& ChunkPool::resident_bucket(const ChunkState& c) {
+  return c.use == ChunkUse::free ? stats_.resident_free_bytes : stats_.resident_bytes[static_cast<int>(c.tag)];
+}
 
-constexpr size_t kFreeBucket = kNumTags;  // resident bytes of free chunks
-
-}  // namespace
-
-size_t ChunkPool::resident_bucket(const ChunkState& c) const {
-  return c.use == ChunkUse::free ? kFreeBucket : static_cast<size_t>(c.tag);
+ChunkPool::ChunkRange ChunkPool::chunk_range(const Block* run) const {
+  const size_t first = static_cast<size_t>(run->ptr - run->arena->base) / config_.chunk_size;
+  return {first, first + run->size / config_.chunk_size};
 }
 
 void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
@@ -27,56 +26,49 @@ void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
   c.residency = r;
   if (was == now) return;
   const uint64_t n = config_.chunk_size;
-  uint64_t& bucket = resident_bucket(c) == kFreeBucket ? stats_.resident_free_bytes
-                                                       : stats_.resident_bytes[static_cast<int>(c.tag)];
   if (now) {
-    bucket += n;
+    resident_bucket(c) += n;
     stats_.resident_bytes_total += n;
     stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes_total);
   } else {
-    bucket -= n;
+    resident_bucket(c) -= n;
     stats_.resident_bytes_total -= n;
   }
 }
 
-// A run taken for `tag`: its chunks' resident bytes move to the tag's bucket, and it becomes
-// the most recently used.
+// Changes what holds a chunk; a resident chunk's bytes move to the new holder's bucket.
+void ChunkPool::relabel(ChunkState& c, ChunkUse use, Tag tag) {
+  const bool resident = c.residency == Residency::gpu;
+  if (resident) resident_bucket(c) -= config_.chunk_size;
+  c.use = use;
+  c.tag = tag;
+  if (resident) resident_bucket(c) += config_.chunk_size;
+}
+
+// A run taken for `tag`: its resident bytes count for the tag, and it is the most recently used.
 void ChunkPool::claim_chunks(Block* run, Tag tag, ChunkUse use) {
-  Arena* a = run->arena;
-  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
   const uint64_t now = ++tick_;
-  for (size_t i = first; i < first + run->size / config_.chunk_size; ++i) {
-    const Residency r = a->chunks[i].residency;
-    set_residency(a, i, Residency::host);  // out of its old bucket...
-    a->chunks[i].use = use;
-    a->chunks[i].tag = tag;
-    a->chunks[i].last_use = now;
-    set_residency(a, i, r);  // ...into the new one
+  const auto [first, end] = chunk_range(run);
+  for (size_t i = first; i < end; ++i) {
+    relabel(run->arena->chunks[i], use, tag);
+    run->arena->chunks[i].last_use = now;
   }
 }
 
 void ChunkPool::mark_resident(Block* run) {
-  Arena* a = run->arena;
-  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
-  for (size_t i = first; i < first + run->size / config_.chunk_size; ++i) set_residency(a, i, Residency::gpu);
+  const auto [first, end] = chunk_range(run);
+  for (size_t i = first; i < end; ++i) set_residency(run->arena, i, Residency::gpu);
 }
 
 void ChunkPool::mark_free(Block* run) {
-  Arena* a = run->arena;
-  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
-  for (size_t i = first; i < first + run->size / config_.chunk_size; ++i) {
-    const Residency r = a->chunks[i].residency;
-    set_residency(a, i, Residency::host);
-    a->chunks[i].use = ChunkUse::free;
-    set_residency(a, i, r);
-  }
+  const auto [first, end] = chunk_range(run);
+  for (size_t i = first; i < end; ++i) relabel(run->arena->chunks[i], ChunkUse::free, run->arena->chunks[i].tag);
 }
 
 void ChunkPool::make_room(Block* run, Stream stream) {
   if (!budget_.budget || !budget_.enabled) return;
   Arena* a = run->arena;
-  const size_t first = static_cast<size_t>(run->ptr - a->base) / config_.chunk_size;
-  const size_t end = first + run->size / config_.chunk_size;
+  const auto [first, end] = chunk_range(run);
   uint64_t incoming = 0;
   for (size_t i = first; i < end; ++i)
     if (a->chunks[i].residency != Residency::gpu) incoming += config_.chunk_size;
@@ -140,14 +132,14 @@ size_t ChunkPool::migrate(const void* ptr, bool to_gpu, Stream stream) {
   if (!b || b->container) return 0;
   Arena* a = b->arena;
   const size_t chunk = config_.chunk_size;
-  const size_t first = static_cast<size_t>(b->ptr - a->base) / chunk, end = first + b->size / chunk;
+  const auto [first, end] = chunk_range(b);
   const Residency want = to_gpu ? Residency::gpu : Residency::host;
   size_t moved = 0;
   for (size_t i = first; i < end; ++i) moved += a->chunks[i].residency != want ? chunk : 0;
   if (!moved) return 0;
   if (to_gpu) {
-    a->chunks[first].last_use = ++tick_;
-    for (size_t i = first; i < end; ++i) a->chunks[i].last_use = tick_;
+    const uint64_t now = ++tick_;
+    for (size_t i = first; i < end; ++i) a->chunks[i].last_use = now;
     ++stats_.prefetch_calls;
     stats_.prefetch_bytes += b->size;
     if (!backend_->prefetch_to_gpu(b->ptr, b->size, stream)) note_backend_failure();

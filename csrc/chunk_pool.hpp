@@ -141,7 +141,12 @@ class ChunkPool {
   void make_room(Block* run, Stream stream);
   bool evict_one(Arena* skip_arena, size_t skip_first, size_t skip_end, Stream stream);
   void evict_range(Arena* a, size_t first, size_t end, Stream stream);
-  size_t resident_bucket(const ChunkState& c) const;
+  uint64_t& resident_bucket(const ChunkState& c);
+  void relabel(ChunkState& c, ChunkUse use, Tag tag);
+  struct ChunkRange {
+    size_t first, end;
+  };
+  ChunkRange chunk_range(const Block* run) const;
   void count_live(Block* b, int sign);
   void move_accounting(Block* b, Tag to_tag);
   bool retag_locked(const void* ptr, Tag tag, Stream stream);
