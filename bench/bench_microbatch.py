@@ -6,9 +6,13 @@
 (a) stock PyTorch under set_per_process_memory_fraction(limit): the largest batch that trains is
     searched, each probe a subprocess of bert_example/train.py (2 steps, so AdamW's state is
     resident), so an out-of-memory never poisons the next probe; then that batch is timed.
-(b) um_alloc, same limit, --micro-batch auto at the mini-batch size.
+(b) um_alloc, --micro-batch auto at the mini-batch size, with the limit as a hard GPU residency
+    budget (--budget) under policies/host_optimizer.yaml: AdamW's moments stay in host memory,
+    read and written over the link by the optimizer step, so the micro-batches get their room.
+    --cap-policy adds a run that uses the limit as the pool's reserve cap instead (all resident).
 Both run here, one after the other on the same GPU; each writes a JSON into bench/results/ with
-the fields of DESIGN.md's benchmark protocol. Neither process uses more than the limit.
+the fields of DESIGN.md's benchmark protocol. The external check is NVML's device memory in use,
+end minus start: a high-water mark of what each process held on the GPU.
 """
 
 from __future__ import annotations
@@ -35,22 +39,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the timing (default 2)")
     p.add_argument("--stock-start", type=int, default=8, help="first batch the stock search tries (default 8)")
     p.add_argument("--stock-max", type=int, default=512, help="largest batch the stock search tries")
-    p.add_argument("--policy", help="um_alloc policy (default: UM_POLICY, else none.yaml)")
+    p.add_argument("--policy", default="host_optimizer.yaml",
+                   help="um_alloc policy for the budget run (default host_optimizer.yaml)")
+    p.add_argument("--cap-policy", help="also run um_alloc with this policy and the limit as reserve cap")
+    p.add_argument("--micro-batch", default="auto",
+                   help="um_alloc micro-batch sizes to run, comma-separated: auto and/or numbers (default auto)")
     p.add_argument("--quick", action="store_true", help="a short run to check the set-up")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     args.mini_batch = args.mini_batch or (64 if args.quick else 256)
     args.steps = args.steps or (4 if args.quick else 10)
     args.warmup_steps = min(args.warmup_steps, args.steps - 1)
+    args.micro_batch = [m.strip() for m in args.micro_batch.split(",") if m.strip()]
+    bad = [m for m in args.micro_batch if m != "auto" and not (m.isdigit() and int(m) > 0)]
+    if bad or not args.micro_batch:
+        p.error(f"--micro-batch: 'auto' or whole numbers > 0, comma-separated; got {bad or args.micro_batch}")
     return args
 
 
 def train(args, allocator: str, batch: int, steps: int, warmup: int, extra=()) -> dict | None:
-    """One train.py run in a subprocess; its summary, or None if it ran out of memory."""
+    """One train.py run in a subprocess; its summary, or None if it ran out of memory.
+    `extra` carries the limit for um_alloc runs; stock runs get --memory-limit."""
+    limit = ["--memory-limit", args.memory_limit] if allocator == "stock" else []
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "summary.json"
         command = [sys.executable, str(TRAIN), "--model", "large", "--seq-len", str(args.seq_len),
-                   "--allocator", allocator, "--memory-limit", args.memory_limit, "--batch-size", str(batch),
+                   "--allocator", allocator, *limit, "--batch-size", str(batch),
                    "--steps", str(steps), "--warmup-steps", str(warmup), "--json", str(out), *extra]
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
         if proc.returncode == EXIT_OOM:
@@ -64,9 +78,10 @@ def train(args, allocator: str, batch: int, steps: int, warmup: int, extra=()) -
 def _line(label: str, summary: dict | None) -> str:
     if summary is None:
         return f"{label}: out of memory"
-    gib = (summary["peak_reserved_bytes"] or 0) / 2**30
+    gib = lambda n: f"{(n or 0) / 2**30:.2f} GiB"  # noqa: E731
     return (f"{label}: {summary['samples_per_s']:.1f} samples/s, {summary['step_s_median']:.3f} s/step, "
-            f"peak reserved {gib:.2f} GiB, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+            f"peak reserved {gib(summary['peak_reserved_bytes'])}, device high-water "
+            f"{gib(summary['device_used_delta_bytes'])}, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
 
 
 def largest_stock_batch(args) -> int:
@@ -100,13 +115,17 @@ def run_stock(args) -> dict:
             raise RuntimeError("stock PyTorch fitted a probe but no timed run")
 
 
-def run_um(args) -> dict:
-    extra = ["--micro-batch", "auto"] + (["--policy", args.policy] if args.policy else [])
+def run_um(args, policy: str, limit_as: str, micro: str) -> dict | None:
+    """limit_as: "budget" (the hard GPU budget) or "cap" (the pool's reserve cap). None: out of memory."""
+    limit = ["--budget", args.memory_limit] if limit_as == "budget" else ["--memory-limit", args.memory_limit]
+    extra = ["--micro-batch", micro, "--policy", policy, *limit]
     summary = train(args, "um", args.mini_batch, args.steps, args.warmup_steps, extra)
     if summary is None:
-        raise RuntimeError(f"um_alloc ran out of memory at mini-batch {args.mini_batch} with --micro-batch auto")
-    print(_line(f"[um_alloc] mini-batch {args.mini_batch} in micro-batches of {summary['micro_batch']}", summary),
-          flush=True)
+        print(f"[um_alloc {policy}, limit as {limit_as}] micro-batch {micro}: out of memory", flush=True)
+        return None
+    summary["limit_as"] = limit_as
+    print(_line(f"[um_alloc {policy}, limit as {limit_as}] mini-batch {args.mini_batch} in micro-batches of "
+                f"{summary['micro_batch']}", summary), flush=True)
     return summary
 
 
@@ -116,10 +135,13 @@ def result(summary: dict, stock_samples_per_s: float) -> dict:
         "device": summary["device"], "date": summary["date"], "workload": summary["workload"],
         "method": summary["method"] + ("+microbatch" if summary["micro_batch"] else ""),
         "policy": summary["policy"], "batch": summary["batch"], "micro_batch": summary["micro_batch"],
-        "budget_bytes": summary["memory_limit_bytes"], "step_s_median": summary["step_s_median"],
+        "limit_as": summary.get("limit_as", "memory_fraction"),
+        "budget_bytes": summary["memory_limit_bytes"] or summary.get("budget_bytes"),
+        "step_s_median": summary["step_s_median"],
         "samples_per_s": summary["samples_per_s"],
         "ratio_vs_stock": summary["samples_per_s"] / stock_samples_per_s,
         "highwater_bytes": summary["device_used_delta_bytes"], "peak_reserved_bytes": summary["peak_reserved_bytes"],
+        "pool_peak_gpu_backed_bytes": (summary.get("memory_stats") or {}).get("peak_gpu_backed_bytes"),
         "gpu_page_faults": None, "htod_bytes": None, "dtoh_bytes": None,  # profiling not built yet
         "loss_first": summary["loss_first"], "loss_last": summary["loss_last"], "steps": summary["steps"],
     }
@@ -130,19 +152,26 @@ def main(argv=None) -> list[dict]:
     print(f"micro-batch bench: BERT-Large seq {args.seq_len} bf16, limit {args.memory_limit}, "
           f"{args.steps} steps ({args.warmup_steps} warm-up)", flush=True)
     stock = run_stock(args)
-    um = run_um(args)
-    results = [result(stock, stock["samples_per_s"]), result(um, stock["samples_per_s"])]
+    ums = [run_um(args, args.policy, "budget", micro) for micro in args.micro_batch]
+    if args.cap_policy:
+        ums.append(run_um(args, args.cap_policy, "cap", "auto"))
+    ums = [summary for summary in ums if summary is not None]
+    results = [result(s, stock["samples_per_s"]) for s in (stock, *ums)]
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     for entry in results:
         method = entry["method"].replace("+", "_")  # file names that travel: letters, digits, . _ -
+        if entry["policy"]:
+            method += f"-{Path(entry['policy']).stem}-{entry['limit_as']}-micro{entry['micro_batch']}"
         path = args.out / f"microbatch-{method}-{stamp}.json"
         path.write_text(json.dumps(entry, indent=2) + "\n")
         print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
-    print(f"\n{'method':<22}{'batch':>7}{'micro':>7}{'samples/s':>11}{'vs stock':>10}")
+    print(f"\n{'method':<22}{'policy':<22}{'limit as':<16}{'batch':>7}{'micro':>7}{'samples/s':>11}"
+          f"{'vs stock':>10}{'high-water':>12}")
     for entry in results:
-        print(f"{entry['method']:<22}{entry['batch']:>7}{str(entry['micro_batch'] or '-'):>7}"
-              f"{entry['samples_per_s']:>11.1f}{entry['ratio_vs_stock']:>10.2f}")
+        print(f"{entry['method']:<22}{str(entry['policy'] or '-'):<22}{entry['limit_as']:<16}{entry['batch']:>7}"
+              f"{str(entry['micro_batch'] or '-'):>7}{entry['samples_per_s']:>11.1f}{entry['ratio_vs_stock']:>10.2f}"
+              f"{(entry['highwater_bytes'] or 0) / 2**30:>10.2f} G")
     print(f"on {stock['device']}, {stock['date']}")
     return results
 

@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--allocator", choices=("um", "stock"), default="um", help="um_alloc or PyTorch's own")
     p.add_argument("--policy", metavar="POLICY", help="um_alloc policy (path or bare name); overrides UM_POLICY")
-    p.add_argument("--memory-limit", metavar="SIZE", help="GPU memory limit, e.g. 16GiB")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="GPU memory limit, e.g. 16GiB (stock: a memory fraction; um: the pool's reserve cap)")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="um only: GPU residency budget, e.g. 16GiB or 0.5 (overrides the policy's scheduler.budget)")
     p.add_argument("--micro-batch", type=_micro_batch, metavar="N|auto",
                    help="stream micro-batches of N sequences (auto: the largest that fits)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -105,6 +108,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--policy applies to --allocator um only")
     if args.memory_limit is not None and device.type != "cuda":
         parser.error("--memory-limit applies to CUDA devices only")
+    if args.budget is not None and args.allocator != "um":
+        parser.error("--budget applies to --allocator um only (for stock PyTorch use --memory-limit)")
     if args.resume and args.checkpoint is None:
         parser.error("--resume needs --checkpoint DIR")
 
@@ -124,6 +129,13 @@ def memory_limit_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace
     return limit
 
 
+def budget_value(text: str | None) -> int | float | str | None:
+    """--budget as install() takes it: "0.5" a fraction of the device, "123" bytes, "16GiB" a size."""
+    if text is None or not text.replace(".", "", 1).isdigit():
+        return text
+    return float(text) if "." in text else int(text)
+
+
 # --- setup -------------------------------------------------------------------------------------
 
 def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limit: int | None) -> torch.device:
@@ -135,7 +147,8 @@ def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limi
         import um_alloc
 
         try:
-            um_alloc.install(args.policy, max_reserved=limit, device=device.index or 0)
+            um_alloc.install(args.policy, max_reserved=limit, budget=budget_value(args.budget),
+                             device=device.index or 0)
         except (RuntimeError, ValueError) as error:
             parser.error(f"um_alloc.install failed: {error}")
     if not torch.cuda.is_available():
@@ -295,7 +308,7 @@ def memory_report(args, device: torch.device) -> dict:
 
         stats = um_alloc.memory_stats()
         return {"peak_bytes": stats["peak_live_bytes"], "peak_reserved_bytes": stats["peak_reserved_bytes"],
-                "memory_stats": stats}
+                "budget_bytes": stats.get("budget_bytes") or None, "memory_stats": stats}
     return {"peak_bytes": torch.cuda.max_memory_allocated(device),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
@@ -367,7 +380,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.checkpointing:  # per layer; transformers 5 renamed gradient_checkpointing_enable
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable({"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # Fused: one kernel reads and writes each moment once per step (foreach reads them up to three
+    # times), which matters when a policy keeps optimizer state in host memory.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                  fused=device.type == "cuda")
     if args.allocator == "um":
         import um_alloc
 

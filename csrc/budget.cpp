@@ -30,6 +30,11 @@ void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
     resident_bucket(c) += n;
     stats_.resident_bytes_total += n;
     stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes_total);
+    if (!c.gpu_backed) {
+      c.gpu_backed = true;
+      stats_.backed_bytes += n;
+      stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
+    }
   } else {
     resident_bucket(c) -= n;
     stats_.resident_bytes_total -= n;
@@ -65,18 +70,60 @@ void ChunkPool::mark_free(Block* run) {
   for (size_t i = first; i < end; ++i) relabel(run->arena->chunks[i], ChunkUse::free, run->arena->chunks[i].tag);
 }
 
-void ChunkPool::make_room(Block* run, Stream stream) {
-  if (!budget_.budget || !budget_.enabled) return;
-  Arena* a = run->arena;
-  const auto [first, end] = chunk_range(run);
+// Makes room on the GPU for chunks [first, end) of `a` about to be handed out. Reactive mode
+// (evict_live) always succeeds, over budget if nothing else can go; a hard budget evicts free
+// chunks only and returns false when live data alone would pass it.
+bool ChunkPool::make_room(Arena* a, size_t first, size_t end, Stream stream) {
+  if (!budget_.budget || !budget_.enabled) return true;
+  if (hard_budget()) return within_backing(a, first, end);
   uint64_t incoming = 0;
   for (size_t i = first; i < end; ++i)
     if (a->chunks[i].residency != Residency::gpu) incoming += config_.chunk_size;
   while (stats_.resident_bytes_total + incoming > budget_.budget) {
     if (!evict_one(a, first, end, stream)) {
+      if (!budget_.evict_live) return false;
       ++stats_.over_budget_allocations;  // everything else is small or in use by this request
-      return;
+      return true;
     }
+  }
+  return true;
+}
+
+// A hard budget bounds the GPU memory the driver backs for the pool. Evicting would not lower it
+// (the driver keeps a range's GPU memory until cudaFree), so wholly free arenas are returned,
+// never the one holding the request; false if the chunks still do not fit.
+bool ChunkPool::within_backing(Arena* a, size_t first, size_t end) {
+  auto incoming = [&] {
+    uint64_t n = 0;
+    for (size_t i = first; i < end; ++i) n += a->chunks[i].gpu_backed ? 0 : config_.chunk_size;
+    return n;
+  };
+  if (stats_.backed_bytes + incoming() <= budget_.budget) return true;
+  release_free_arenas(a);
+  return stats_.backed_bytes + incoming() <= budget_.budget;
+}
+
+// Host-mapped tags (preferred location cpu, accessed by the GPU): kernels reach their pages over
+// the link and the driver does not migrate them, so they stay out of the GPU's residency.
+bool ChunkPool::host_mapped(Tag tag) const {
+  const Advice& advice = policies_[static_cast<int>(tag)].advice;
+  return advice.preferred == Location::cpu && advice.accessed_by_gpu;
+}
+
+// The run's pages go (or stay) in host memory: resident stretches are moved out once.
+void ChunkPool::send_to_host(Block* run, Stream stream) {
+  Arena* a = run->arena;
+  const auto [first, end] = chunk_range(run);
+  for (size_t i = first; i < end;) {
+    size_t j = i;
+    if (a->chunks[i].residency != Residency::gpu) {
+      set_residency(a, i, Residency::host);
+      ++i;
+      continue;
+    }
+    while (j < end && a->chunks[j].residency == Residency::gpu) ++j;
+    evict_range(a, i, j, stream);
+    i = j;
   }
 }
 
@@ -98,6 +145,7 @@ bool ChunkPool::evict_one(Arena* skip_arena, size_t skip_first, size_t skip_end,
                !(a == skip_arena && end >= skip_first && end < skip_end))
           ++end;
       } else {  // a live block goes whole, if it is large enough to swap
+        if (!budget_.evict_live) continue;
         Block* b = live_block_containing(a->base + i * config_.chunk_size);
         if (!b) continue;
         start = static_cast<size_t>(b->ptr - a->base) / config_.chunk_size;

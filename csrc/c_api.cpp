@@ -137,12 +137,13 @@ int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy) {
   return 0;
 }
 
-int um_pool_set_budget(um_pool* pool, size_t budget, size_t min_swap_size, int enabled) {
-  pool->pool->set_budget(um::BudgetConfig{budget, min_swap_size, enabled != 0});
+int um_pool_set_budget(um_pool* pool, size_t budget, size_t min_swap_size, int enabled, int evict_live) {
+  pool->pool->set_budget(um::BudgetConfig{budget, min_swap_size, enabled != 0, evict_live != 0});
   return 0;
 }
 
 int um_pool_budget_enabled(um_pool* pool) { return pool->pool->budget().enabled ? 1 : 0; }
+int um_pool_budget_evicts_live(um_pool* pool) { return pool->pool->budget().evict_live ? 1 : 0; }
 
 const char* um_pool_backend_error(um_pool* pool) {
   static thread_local std::string copy;

@@ -62,7 +62,7 @@ void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err)
                                             : allocate_large(bytes, stream, tag, err);
   if (!p && err->kind == UM_ERR_OOM) {
     ++stats_.num_ooms;
-    err->message = oom_message(bytes, tag);
+    err->message = oom_message(bytes, tag, err->over_budget);
   }
   return p;
 }
@@ -105,13 +105,22 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError
 }
 
 // A run of whole chunks for `tag`, ordered after its previous users and carrying the tag's hints.
+// A host-mapped tag's chunks live in host memory (the GPU reads and writes them over the link),
+// so they never count against the budget; every other run is made room for first.
 Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err) {
-  Block* b = find_fit(free_runs_, rounded);
+  Block* b = find_run(rounded, tag);
   if (!b) b = grow(rounded);
   // Cached arenas may hold the cap while no free run fits: return them and try once more.
   if (!b && release_free_arenas() > 0) b = grow(rounded);
   if (!b) {
     err->kind = UM_ERR_OOM;  // allocate() writes the message, with the size the caller asked for
+    return nullptr;
+  }
+  const bool on_gpu = !host_mapped(tag);
+  const size_t first = chunk_index(b->arena, b->ptr, config_.chunk_size);
+  if (on_gpu && !make_room(b->arena, first, first + rounded / config_.chunk_size, stream)) {
+    err->kind = UM_ERR_OOM;
+    err->over_budget = true;
     return nullptr;
   }
   free_runs_.erase(b);
@@ -120,10 +129,37 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
   b->allocated = true;
   b->tag = tag;
   claim_chunks(b, tag, use);
-  make_room(b, stream);     // evict before anything new comes onto the GPU
   apply_tag(b, tag, stream);
-  mark_resident(b);         // PyTorch hands it to GPU kernels: its pages will be on the GPU
+  if (on_gpu)
+    mark_resident(b);  // PyTorch hands it to GPU kernels: its pages will be on the GPU
+  else
+    send_to_host(b, stream);
   return b;
+}
+
+// Best fit; under a budget, among the next few fits the smallest whose first `rounded` bytes are
+// already where the request wants them, so reuse neither pushes other chunks out nor makes the
+// driver back new GPU memory: on the GPU (resident; GPU-backed under a hard budget) for GPU
+// tags, never GPU-backed for host-mapped tags.
+Block* ChunkPool::find_run(size_t rounded, Tag tag) {
+  Block* best = find_fit(free_runs_, rounded);
+  if (!best || !budget_.budget || !budget_.enabled) return best;
+  const bool for_host = host_mapped(tag), backing = hard_budget();
+  auto suits = [&](const ChunkState& c) {
+    if (for_host) return !c.gpu_backed;
+    return backing ? c.gpu_backed : c.residency == Residency::gpu;
+  };
+  constexpr int kLookahead = 64;  // bounds the hot path; free runs are few in steady state
+  int looked = 0;
+  for (auto it = free_runs_.find(best); it != free_runs_.end() && looked < kLookahead; ++it, ++looked) {
+    Block* run = *it;
+    const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
+    const size_t end = first + rounded / config_.chunk_size;
+    size_t i = first;
+    while (i < end && suits(run->arena->chunks[i])) ++i;
+    if (i == end) return run;
+  }
+  return best;
 }
 
 Block* ChunkPool::find_fit(FreeSet& set, size_t size) {
@@ -184,7 +220,7 @@ void ChunkPool::apply_tag(Block* run, Tag tag, Stream stream) {
   const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
   const size_t end = first + run->size / config_.chunk_size;
   advise_chunks(run->arena, first, end, policy.advice);
-  if (policy.prefetch) prefetch_chunks(run->arena, first, end, stream);
+  if (policy.prefetch && !host_mapped(tag)) prefetch_chunks(run->arena, first, end, stream);
 }
 
 // One cudaMemAdvise sequence per run of chunks that share their current hints; chunks that
@@ -304,14 +340,18 @@ size_t ChunkPool::empty_cache() {
 
 // Returns arenas that are one free run. cudaFree synchronizes the device, which is also what
 // makes this safe while other streams may still be finishing work on that memory.
-size_t ChunkPool::release_free_arenas() {
+size_t ChunkPool::release_free_arenas(const Arena* keep) {
   std::vector<Block*> whole;
   for (Block* b : free_runs_)
-    if (!b->prev && !b->next) whole.push_back(b);
+    if (!b->prev && !b->next && b->arena != keep) whole.push_back(b);
   size_t released = 0;
   for (Block* b : whole) {
     free_runs_.erase(b);
     Arena* a = b->arena;
+    for (size_t i = 0; i < a->chunks.size(); ++i) {  // gone, and the driver's GPU memory with it
+      set_residency(a, i, Residency::untouched);
+      if (a->chunks[i].gpu_backed) stats_.backed_bytes -= config_.chunk_size;
+    }
     backend_->release(a->base, a->size);
     released += a->size;
     stats_.reserved_bytes -= a->size;
@@ -363,6 +403,7 @@ bool ChunkPool::retag_locked(const void* ptr, Tag tag, Stream stream) {
   if (!b->container) {
     claim_chunks(b, tag, ChunkUse::large);
     apply_tag(b, tag, stream);
+    if (host_mapped(tag)) send_to_host(b, stream);
   }
   return true;
 }
@@ -439,18 +480,26 @@ um_stats ChunkPool::stats() const {
   return s;
 }
 
-std::string ChunkPool::oom_message(size_t bytes, Tag tag) const {
+std::string ChunkPool::oom_message(size_t bytes, Tag tag, bool over_budget) const {
   std::string m = "um_alloc: out of memory: tried to allocate " + format_bytes(bytes) + " (tag " +
-                  tag_name(tag) + "); reserved " + format_bytes(stats_.reserved_bytes) + " of a " +
-                  format_bytes(config_.max_reserved) + " limit (pool.max_reserved); live " +
-                  format_bytes(stats_.live_bytes_total) + ":";
+                  tag_name(tag) + "); ";
+  if (over_budget)
+    m += "GPU-backed memory " + format_bytes(stats_.backed_bytes) + " + this request would pass the " +
+         format_bytes(budget_.budget) + " budget (scheduler.budget, evict_live: false; wholly free arenas " +
+         "already returned); reserved " + format_bytes(stats_.reserved_bytes);
+  else
+    m += "reserved " + format_bytes(stats_.reserved_bytes) + " of a " + format_bytes(config_.max_reserved) +
+         " limit (pool.max_reserved)";
+  m += "; live " + format_bytes(stats_.live_bytes_total) + ":";
   for (int t = 0; t < kNumTags; ++t)
     if (stats_.live_bytes[t]) m += std::string(" ") + tag_name(Tag(t)) + " " + format_bytes(stats_.live_bytes[t]);
   m += "; largest free run " +
        format_bytes(free_runs_.empty() ? 0 : (*free_runs_.rbegin())->size) + ".";
   if (!backend_error_.empty()) m += " Last device error: " + backend_error_ + ".";
-  m += " Lower the batch size, use micro-batches, or raise pool.max_reserved "
-       "(oversubscribe: true only on a GPU you do not share).";
+  m += over_budget ? " Lower the batch size, use micro-batches, raise the budget, or keep a tag in host "
+                     "memory (preferred_location: cpu, accessed_by: [gpu])."
+                   : " Lower the batch size, use micro-batches, or raise pool.max_reserved "
+                     "(oversubscribe: true only on a GPU you do not share).";
   return m;
 }
 

@@ -38,6 +38,7 @@ enum class ChunkUse : uint8_t { free, large, small };
 struct ChunkState {
   Advice applied;  // hints currently set on the chunk
   Residency residency = Residency::untouched;
+  bool gpu_backed = false;  // the GPU has held its pages since the arena was reserved (see um_stats)
   ChunkUse use = ChunkUse::free;
   Tag tag = kDefaultTag;  // of the run holding it (the last one, while free)
   uint64_t last_use = 0;  // pool tick of its last allocation or retag: the LRU order
@@ -47,6 +48,10 @@ struct BudgetConfig {
   size_t budget = 0;  // bytes of GPU residency; 0 = no budget
   size_t min_swap_size = size_t(1) << 20;
   bool enabled = true;
+  // true: reactive mode, a bound on residency: live blocks may be evicted (faults bring them
+  // back). false: a hard bound on GPU-backed bytes: nothing is evicted (the driver would keep the
+  // GPU memory anyway), wholly free arenas are returned, and then the allocation fails as OOM.
+  bool evict_live = true;
 };
 
 struct Arena {
@@ -87,6 +92,7 @@ using FreeSet = std::set<Block*, BySizeThenAddress>;
 
 struct AllocError {
   um_error_kind kind = UM_OK;
+  bool over_budget = false;  // refused by a hard budget rather than by the reserve cap
   std::string message;
 };
 
@@ -124,11 +130,12 @@ class ChunkPool {
   Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err);
   Block* grow(size_t rounded);
   Block* find_fit(FreeSet& set, size_t size);
+  Block* find_run(size_t rounded, Tag tag);
   void split(Block* b, size_t size, FreeSet& set);
   Block* merge_into_free(Block* b, FreeSet& set);
   void release_chunk_run(Block* b);
   void release_small(Block* b);
-  size_t release_free_arenas();
+  size_t release_free_arenas(const Arena* keep = nullptr);
   void order_for_reuse(Block* b, Stream stream);
   void apply_tag(Block* run, Tag tag, Stream stream);
   void advise_chunks(Arena* a, size_t first, size_t end, const Advice& want);
@@ -138,8 +145,12 @@ class ChunkPool {
   void mark_resident(Block* run);
   void mark_free(Block* run);
   void set_residency(Arena* a, size_t i, Residency r);
-  void make_room(Block* run, Stream stream);
+  bool make_room(Arena* a, size_t first, size_t end, Stream stream);
+  bool within_backing(Arena* a, size_t first, size_t end);
+  bool hard_budget() const { return budget_.budget && budget_.enabled && !budget_.evict_live; }
   bool evict_one(Arena* skip_arena, size_t skip_first, size_t skip_end, Stream stream);
+  bool host_mapped(Tag tag) const;
+  void send_to_host(Block* run, Stream stream);
   void evict_range(Arena* a, size_t first, size_t end, Stream stream);
   uint64_t& resident_bucket(const ChunkState& c);
   void relabel(ChunkState& c, ChunkUse use, Tag tag);
@@ -152,7 +163,7 @@ class ChunkPool {
   bool retag_locked(const void* ptr, Tag tag, Stream stream);
   void note_backend_failure();
   Block* live_block_containing(const void* ptr) const;
-  std::string oom_message(size_t bytes, Tag tag) const;
+  std::string oom_message(size_t bytes, Tag tag, bool over_budget) const;
 
   mutable std::mutex mu_;
   std::unique_ptr<MemoryBackend> backend_;

@@ -92,9 +92,9 @@ int um_set_default_tag_policy(int tag, um_tag_policy policy) {
   return 0;
 }
 
-int um_set_default_budget(size_t budget, size_t min_swap_size, int enabled) {
+int um_set_default_budget(size_t budget, size_t min_swap_size, int enabled, int evict_live) {
   std::lock_guard<std::mutex> lock(um::g_mu);
-  um::g_budget = um::BudgetConfig{budget, min_swap_size, enabled != 0};
+  um::g_budget = um::BudgetConfig{budget, min_swap_size, enabled != 0, evict_live != 0};
   for (auto& p : um::g_pools)
     if (um::ChunkPool* pool = p.load()) pool->set_budget(um::g_budget);
   return 0;

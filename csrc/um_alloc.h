@@ -49,6 +49,10 @@ typedef struct {
    * evicted); faults can bring evicted data back unseen, so NVML's high-water mark is the check. */
   uint64_t resident_bytes[UM_NUM_TAGS], resident_free_bytes, resident_bytes_total, peak_resident_bytes;
   uint64_t budget_bytes, min_swap_size, evictions, evicted_bytes, over_budget_allocations;
+  /* GPU-backed: chunks the GPU has held pages of since their arena was reserved. The driver keeps
+   * GPU memory for such a range until cudaFree even after its pages leave (measured), so this,
+   * not residency, is what NVML's used memory follows; a hard budget (evict_live=0) bounds it. */
+  uint64_t backed_bytes, peak_backed_bytes;
 } um_stats;
 
 /* Pools. A host pool runs the same placement logic over host mappings, for tests. */
@@ -74,11 +78,14 @@ int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
 const char* um_pool_backend_error(um_pool* pool);
 
 /* The GPU residency budget (0: none) and the smallest allocation it may swap; enabled=0 pauses
- * eviction without forgetting the settings. Reactive mode: least recently used chunks are moved
- * to host memory when an allocation would pass the budget; faults bring them back. */
-int um_pool_set_budget(um_pool* pool, size_t budget, size_t min_swap_size, int enabled);
+ * eviction without forgetting the settings. evict_live=1 is the reactive mode: least recently used
+ * chunks are moved to host memory when an allocation would pass the budget, and faults bring them
+ * back. evict_live=0 is a hard budget: only free chunks leave, and an allocation that still does
+ * not fit fails as out of memory. */
+int um_pool_set_budget(um_pool* pool, size_t budget, size_t min_swap_size, int enabled, int evict_live);
 int um_pool_budget_enabled(um_pool* pool);
-int um_set_default_budget(size_t budget, size_t min_swap_size, int enabled);
+int um_pool_budget_evicts_live(um_pool* pool);
+int um_set_default_budget(size_t budget, size_t min_swap_size, int enabled, int evict_live);
 
 /* Settings for device pools; must precede the first device allocation. */
 int um_configure(size_t chunk_size, size_t arena_size, size_t max_reserved);

@@ -66,3 +66,21 @@ def test_bert_large_mini_batch_1024_in_16gib_with_um_alloc(cuda_device, tmp_path
     assert stats["limit_bytes"] == LIMIT
     assert 0 < stats["peak_reserved_bytes"] <= LIMIT
     assert summary["peak_reserved_bytes"] == stats["peak_reserved_bytes"]
+
+
+def test_bert_large_1024_under_a_hard_16gib_budget_with_host_optimizer_state(cuda_device, tmp_path):
+    # The limit as a GPU budget (host_optimizer.yaml): AdamW's moments live in host memory, and
+    # NVML's device memory in use (end - start) must stay within the budget + 1 GiB (CUDA kernels
+    # and library handles outside the pool; 0.2-0.3 GiB measured on an H200).
+    out = tmp_path / "bert_large_1024_budget.json"
+    _run([sys.executable, "bert_example/train.py", "--model", "large", "--batch-size", "1024", "--seq-len", "512",
+          "--steps", "2", "--warmup-steps", "1", "--allocator", "um", "--policy", "host_optimizer.yaml",
+          "--budget", "16GiB", "--micro-batch", "auto", "--json", str(out)], timeout=900)
+    summary = json.loads(out.read_text())
+    assert summary["batch"] == 1024 and 1 <= summary["micro_batch"] < 1024
+    assert all(math.isfinite(loss) for loss in summary["losses"])
+    stats = summary["memory_stats"]
+    assert stats["budget_bytes"] == LIMIT and stats["peak_gpu_backed_bytes"] <= LIMIT
+    assert stats["tags"]["optimizer_state"]["live_bytes"] > 2 * 2**30  # the moments exist ...
+    assert stats["tags"]["optimizer_state"]["resident_bytes"] == 0     # ... in host memory
+    assert summary["device_used_delta_bytes"] <= LIMIT + 2**30

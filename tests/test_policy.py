@@ -30,9 +30,19 @@ def error_of(tmp_path, text, name="p.yaml"):
 
 
 # ---------------------------------------------------------------- shipped policies
-def test_packaged_dir_holds_the_three_policies():
+def test_packaged_dir_holds_the_shipped_policies():
     assert sorted(p.name for p in packaged_policies_dir().glob("*.yaml")) == [
-        "best.yaml", "none.yaml", "worst.yaml"]
+        "best.yaml", "host_optimizer.yaml", "none.yaml", "worst.yaml"]
+
+
+def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
+    from um_alloc.policy import host_mapped
+
+    best, host = load_policy("best"), load_policy("host_optimizer")
+    assert host.scheduler.evict_live is False and best.scheduler.evict_live is True
+    assert [t for t in TAGS if host_mapped(host.tags[t])] == ["optimizer_state"]
+    assert {t: host.tags[t] for t in TAGS if t != "optimizer_state"} == \
+        {t: best.tags[t] for t in TAGS if t != "optimizer_state"}
 
 
 def test_none_policy_has_no_advice_and_default_settings():
@@ -197,12 +207,12 @@ def test_missing_file_lists_packaged_names(tmp_path):
         load_policy(tmp_path / "absent.yaml")
     message = str(info.value)
     assert "absent.yaml: policy file not found" in message
-    assert "packaged policies: best, none, worst" in message
+    assert "packaged policies: best, host_optimizer, none, worst" in message
 
 
 def test_unknown_bare_name():
     with pytest.raises(PolicyError, match="bestest: policy file not found; packaged policies: "
-                                          "best, none, worst"):
+                                          "best, host_optimizer, none, worst"):
         resolve_policy_path("bestest")
 
 
@@ -289,3 +299,35 @@ def test_too_big_for_device(data, fragments):
 def test_shipped_policies_fit_a_small_gpu():
     for name in ("none", "best", "worst"):
         validate_for_device(load_policy(name), 8 * GiB)
+
+
+def test_evict_live_and_host_mapped_tags():
+    from um_alloc.policy import host_mapped
+
+    policy = policy_from_dict({"scheduler": {"evict_live": False},
+                               "tags": {"optimizer_state": {"preferred_location": "cpu",
+                                                            "accessed_by": ["gpu"]}}},
+                              source="t.yaml", name="t")
+    assert policy.scheduler.evict_live is False
+    assert host_mapped(policy.tags["optimizer_state"]) and not host_mapped(policy.tags["parameter"])
+    with pytest.raises(PolicyError, match=r"scheduler\.evict_live: expected a boolean"):
+        policy_from_dict({"scheduler": {"evict_live": "no"}}, source="t.yaml", name="t")
+
+
+def test_prefetch_contradicts_a_host_mapped_tag():
+    with pytest.raises(PolicyError, match=r"tags\.optimizer_state\.prefetch: contradicts preferred_location: cpu"):
+        policy_from_dict({"tags": {"optimizer_state": {"preferred_location": "cpu", "accessed_by": ["gpu"],
+                                                       "prefetch": True}}}, source="t.yaml", name="t")
+
+
+def test_with_budget_overrides_and_checks_like_the_key():
+    from um_alloc.policy import with_budget
+
+    base = load_policy("best.yaml")
+    assert with_budget(base, "16GiB", source="cli").scheduler.budget == 16 * 2**30
+    assert with_budget(base, 0.5, source="cli").scheduler.budget == 0.5
+    assert with_budget(base, "16GiB", source="cli").tags == base.tags
+    with pytest.raises(PolicyError, match=r"cli: budget: fraction out of range"):
+        with_budget(base, 1.5, source="cli")
+    with pytest.raises(PolicyError, match=r"cli: budget: an absolute budget must hold at least one chunk"):
+        with_budget(base, 100, source="cli")

@@ -357,3 +357,120 @@ def test_migrate_moves_whole_allocations_and_keeps_residency_true(make_pool):
     s = pool.raw_stats()
     assert pool.block_at(p).residency == "gpu" and s["resident_bytes_total"] == 6 * MiB
     assert s["evicted_bytes"] == 4 * MiB and s["prefetch_bytes"] == 4 * MiB
+
+
+# ---- hard budgets and host-mapped tags --------------------------------------------------------
+
+HOST_MAPPED = dict(preferred_location="cpu", accessed_by=("gpu",))
+
+
+def test_hard_budget_refuses_what_live_data_cannot_make_room_for(make_pool):
+    import torch
+
+    pool = make_pool(arena=64 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    assert not pool.budget_evicts_live()
+    a, b = pool.malloc(4 * MiB), pool.malloc(4 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match=r"GPU-backed memory 8\.00 MiB .*8\.00 MiB budget"):
+        pool.malloc(4 * MiB)
+    assert pool.block_at(a).residency == pool.block_at(b).residency == "gpu"  # nothing evicted
+    s = pool.raw_stats()
+    assert (s["evictions"], s["num_ooms"], s["backed_bytes"], s["resident_bytes_total"]) == (0, 1, 8 * MiB, 8 * MiB)
+
+
+def test_hard_budget_counts_what_the_gpu_backed_and_returns_free_arenas(make_pool):
+    import torch
+
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    a, b = pool.malloc(4 * MiB), pool.malloc(4 * MiB)  # two arenas, both backed
+    pool.migrate(b, to_gpu=False)  # off the GPU, but the driver keeps its GPU memory: still backed
+    assert pool.raw_stats()["backed_bytes"] == 8 * MiB and pool.raw_stats()["resident_bytes_total"] == 4 * MiB
+    pool.free(a)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.malloc(6 * MiB)  # a new arena: a's free one is returned, yet 4 + 6 > 8
+    s = pool.raw_stats()
+    assert (s["arena_releases"], s["backed_bytes"], s["evictions"]) == (1, 4 * MiB, 1)
+    c = pool.malloc(4 * MiB)  # fits in the unbacked 6 MiB arena: 4 + 4 <= 8
+    assert pool.block_at(c).residency == "gpu" and pool.raw_stats()["peak_backed_bytes"] == 8 * MiB
+
+
+def test_host_mapped_tag_stays_out_of_the_budget(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=64 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.set_budget(4 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    state = pool.malloc(12 * MiB, tag="optimizer_state")  # three times the budget: on the host
+    act = pool.malloc(4 * MiB)
+    s = pool.raw_stats()
+    assert pool.block_at(state).residency == "host" and pool.block_at(act).residency == "gpu"
+    assert s["tags"]["optimizer_state"]["resident_bytes"] == 0 and s["resident_bytes_total"] == 4 * MiB
+    assert s["prefetch_bytes"] == 0 and s["evictions"] == 0  # untouched chunks: nothing to move
+
+
+def test_host_mapped_allocation_moves_reused_gpu_chunks_out(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=64 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.free(pool.malloc(4 * MiB))  # a resident free run
+    state = pool.malloc(4 * MiB, tag="optimizer_state")  # reuses it: its pages must leave
+    s = pool.raw_stats()
+    assert pool.block_at(state).residency == "host"
+    assert (s["evictions"], s["evicted_bytes"], s["resident_bytes_total"]) == (1, 4 * MiB, 0)
+
+
+def test_retag_to_a_host_mapped_tag_moves_the_block_out(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=64 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    p = pool.malloc(6 * MiB, tag="other")  # e.g. state made during an optimizer step
+    pool.retag(p, "optimizer_state")
+    s = pool.raw_stats()
+    assert pool.block_at(p).residency == "host" and s["evicted_bytes"] == 6 * MiB
+    assert s["resident_bytes_total"] == 0 and s["tags"]["other"]["resident_bytes"] == 0
+
+
+def test_under_a_budget_reuse_prefers_free_runs_already_on_the_gpu(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=64 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.set_budget(16 * MiB, min_swap_size=1 * MiB)  # reactive: prefers resident runs
+    a, keep, b = pool.malloc(4 * MiB), pool.malloc(2 * MiB), pool.malloc(6 * MiB)
+    pool.migrate(a, to_gpu=False)
+    pool.free(a)  # a's 4 MiB run is free on the host
+    pool.malloc(52 * MiB, tag="optimizer_state")  # the rest of the arena, out of the way (host)
+    pool.free(b)  # free runs now: a's 4 MiB (host) and b's 6 MiB (GPU)
+    c = pool.malloc(4 * MiB)  # best fit by size alone is a's run; the resident one wins
+    s = pool.raw_stats()
+    assert pool.block_at(c).residency == "gpu" and c == b
+    assert s["evictions"] == 1 and s["resident_bytes_total"] == 2 * MiB + 6 * MiB
+
+
+def test_host_mapped_allocations_prefer_runs_the_gpu_never_backed(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=64 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.set_budget(32 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    a, keep = pool.malloc(4 * MiB), pool.malloc(2 * MiB)
+    pool.free(a)  # a backed 4 MiB run; the arena's untouched tail is a larger free run
+    state = pool.malloc(4 * MiB, tag="optimizer_state")
+    s = pool.raw_stats()
+    assert state != a and pool.block_at(state).residency == "host"
+    assert (s["evictions"], s["backed_bytes"]) == (0, 6 * MiB)  # a's GPU memory is left for GPU data
+    assert pool.malloc(4 * MiB) == a
+
+
+def test_released_arenas_leave_the_residency_accounting(make_pool):
+    pool = make_pool(arena=16 * MiB)
+    pool.set_budget(16 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.free(pool.malloc(12 * MiB))
+    assert pool.raw_stats()["resident_bytes_total"] == 12 * MiB
+    assert pool.empty_cache() == 16 * MiB
+    s = pool.raw_stats()
+    assert (s["resident_bytes_total"], s["resident_free_bytes"], s["reserved_bytes"], s["backed_bytes"]) == (0, 0, 0, 0)
+    pool.malloc(16 * MiB)  # the whole budget again: nothing of the old arena is still counted

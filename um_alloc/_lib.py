@@ -42,7 +42,8 @@ TOTAL_FIELDS = (
     "arena_reserves", "arena_releases",
 )
 RESIDENCY_FIELDS = ("resident_free_bytes", "resident_bytes_total", "peak_resident_bytes", "budget_bytes",
-                    "min_swap_size", "evictions", "evicted_bytes", "over_budget_allocations")
+                    "min_swap_size", "evictions", "evicted_bytes", "over_budget_allocations",
+                    "backed_bytes", "peak_backed_bytes")
 
 
 class StatsC(ctypes.Structure):
@@ -70,9 +71,10 @@ _SIGNATURES = {
     "um_pool_stats": (None, [_P, ctypes.POINTER(StatsC)]),
     "um_pool_set_tag_policy": (_I, [_P, _I, TagPolicyC]),
     "um_pool_backend_error": (ctypes.c_char_p, [_P]),
-    "um_pool_set_budget": (_I, [_P, _SZ, _SZ, _I]),
+    "um_pool_set_budget": (_I, [_P, _SZ, _SZ, _I, _I]),
     "um_pool_budget_enabled": (_I, [_P]),
-    "um_set_default_budget": (_I, [_SZ, _SZ, _I]),
+    "um_pool_budget_evicts_live": (_I, [_P]),
+    "um_set_default_budget": (_I, [_SZ, _SZ, _I, _I]),
     "um_configure": (_I, [_SZ, _SZ, _SZ]),
     "um_set_default_tag_policy": (_I, [_I, TagPolicyC]),
     "um_set_current_tag": (None, [_I]),

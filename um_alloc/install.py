@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from . import _lib
 from .device_info import DeviceMemory, device_memory
-from .policy import Policy, PolicyError, format_size, load_policy, parse_size, validate_for_device
+from .policy import (Policy, PolicyError, format_size, load_policy, parse_size, validate_for_device,
+                     with_budget)
 from .pool import tag_policy_struct
 from .tags import TAGS
 
@@ -32,13 +33,16 @@ _installation: Installation | None = None
 _allocator = None  # PyTorch keeps a raw pointer to it: hold the Python object for the process
 
 
-def install(policy=None, *, max_reserved: int | str | None = None, device: int = 0) -> Installation:
+def install(policy=None, *, max_reserved: int | str | None = None, budget: int | float | str | None = None,
+            device: int = 0) -> Installation:
     """Makes um_alloc PyTorch's CUDA allocator for this process.
 
     Args:
         policy: a policy file path, a bare name of a shipped policy ("best.yaml", "none"),
             a dict, a Policy, or None for the UM_POLICY environment variable (else none.yaml).
         max_reserved: overrides the policy's pool.max_reserved: bytes or a size ("16GiB").
+        budget: overrides the policy's scheduler.budget (GPU residency): bytes, a size ("16GiB")
+            or a fraction of device memory (0.5).
         device: the CUDA device (as CUDA numbers them) whose free memory sets the default cap.
 
     Raises:
@@ -48,6 +52,8 @@ def install(policy=None, *, max_reserved: int | str | None = None, device: int =
     """
     global _installation, _allocator
     chosen = load_policy(policy)
+    if budget is not None:
+        chosen = with_budget(chosen, budget, source="install(budget=...)")
     if _installation is not None:
         if _installation.policy == chosen and max_reserved is None:
             return _installation
@@ -130,7 +136,7 @@ def _configure_core(policy: Policy, cap: int, device_total: int) -> None:
     for i, tag in enumerate(TAGS):
         lib.um_set_default_tag_policy(i, tag_policy_struct(policy.tags[tag]))
     budget = policy.budget_bytes(device_total) or 0
-    lib.um_set_default_budget(budget, policy.scheduler.min_swap_size, 1)
+    lib.um_set_default_budget(budget, policy.scheduler.min_swap_size, 1, int(policy.scheduler.evict_live))
 
 
 def _swap_torch_allocator():

@@ -5,8 +5,9 @@
     set_size_lms("1MiB")         # allocations smaller than this are never swapped (scheduler.min_swap_size)
 
 They act on the pool of the device um_alloc was installed for, from the next allocation on.
-Today the budget is kept reactively: least recently used chunks move to host memory when an
-allocation would pass it, and page faults bring them back when needed.
+With scheduler.evict_live (the default) the budget is kept reactively: least recently used chunks
+move to host memory when an allocation would pass it, and page faults bring them back when needed.
+With evict_live: false it is hard: only free chunks leave, then allocations fail as out of memory.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _settings() -> tuple[int, int, bool]:
 
 
 def _apply(limit: int, size: int, enabled: bool) -> None:
-    _pool().set_budget(limit, size, enabled)
+    pool = _pool()
+    pool.set_budget(limit, size, enabled, evict_live=pool.budget_evicts_live())
 
 
 def _bytes(value: int | str, what: str) -> int:

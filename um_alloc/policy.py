@@ -16,7 +16,7 @@ import difflib
 import os
 import re
 import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping
@@ -69,6 +69,8 @@ class SchedulerSettings:
     budget: int | float | None = None         # int bytes, float fraction in (0, 1], None = none
     schedule_window: int | None = None        # bytes; None = auto
     min_swap_size: int = 1 * MiB              # bytes; smaller allocations are never swapped
+    evict_live: bool = True                   # over budget: evict live blocks (reactive) or only
+                                              # free chunks, then out of memory (a hard budget)
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     },
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
+        "evict_live": _bool,
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,
@@ -329,7 +332,29 @@ def _section(cls: type, raw: Any, at: _At) -> Any:
 def _tags(raw: Any, at: _At) -> dict[str, TagAdvice]:
     raw = _mapping(raw, at, what=f"tag names: {', '.join(TAGS)}")
     _reject_unknown(raw, TAGS, at, what="tag")
-    return {tag: _section(TagAdvice, value, at.child(tag)) for tag, value in raw.items()}
+    tags = {tag: _section(TagAdvice, value, at.child(tag)) for tag, value in raw.items()}
+    for tag, advice in tags.items():
+        if advice.prefetch and host_mapped(advice):
+            raise at.child(tag).child("prefetch").error(
+                "contradicts preferred_location: cpu with accessed_by: [gpu] (a host-mapped tag stays in "
+                "host memory and is read over the link; prefetching would pull it onto the GPU)",
+                allowed="false here, or drop gpu from accessed_by", received=True)
+    return tags
+
+
+def host_mapped(advice: TagAdvice) -> bool:
+    """A tag whose memory stays on the host, mapped for the GPU: it never counts against the budget."""
+    return advice.preferred_location == "cpu" and "gpu" in advice.accessed_by
+
+
+def with_budget(policy: Policy, budget: Any, *, source: str) -> Policy:
+    """The policy with scheduler.budget replaced by `budget`, checked as the key would be."""
+    value = _budget(budget, _At(source, "budget"))
+    if isinstance(value, int) and value < policy.pool.chunk_size:
+        raise _At(source, "budget").error(
+            f"an absolute budget must hold at least one chunk ({policy.pool.chunk_size} bytes)",
+            allowed=_BUDGET_ALLOWED, received=budget)
+    return replace(policy, scheduler=replace(policy.scheduler, budget=value))
 
 
 # ---------------------------------------------------------------- device checks

@@ -157,12 +157,17 @@ class ChunkPool:
         out["tags"] = {tag: {f: getattr(s, f)[i] for f in per_tag} for i, tag in enumerate(TAGS)}
         return out
 
-    def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True) -> None:
-        """GPU residency budget in bytes (0: none); allocations smaller than min_swap_size stay put."""
-        self._lib.um_pool_set_budget(self._handle, budget, min_swap_size, int(enabled))
+    def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True,
+                   evict_live: bool = True) -> None:
+        """GPU residency budget in bytes (0: none); allocations smaller than min_swap_size stay put.
+        evict_live=False makes it hard: only free chunks are evicted, then allocations fail (OOM)."""
+        self._lib.um_pool_set_budget(self._handle, budget, min_swap_size, int(enabled), int(evict_live))
 
     def budget_enabled(self) -> bool:
         return bool(self._lib.um_pool_budget_enabled(self._handle))
+
+    def budget_evicts_live(self) -> bool:
+        return bool(self._lib.um_pool_budget_evicts_live(self._handle))
 
     def backend_error(self) -> str:
         return (self._lib.um_pool_backend_error(self._handle) or b"").decode()

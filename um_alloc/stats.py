@@ -28,6 +28,7 @@ _TOTALS = {
     "peak_resident_bytes": "peak_resident_bytes", "resident_free_bytes": "resident_free_bytes",
     "budget_bytes": "budget_bytes", "min_swap_size": "min_swap_size", "evictions": "evictions",
     "evicted_bytes": "evicted_bytes", "over_budget_allocations": "over_budget_allocations",
+    "backed_bytes": "gpu_backed_bytes", "peak_backed_bytes": "peak_gpu_backed_bytes",
 }
 _PER_TAG = {"live_bytes": "live_bytes", "peak_live_bytes": "peak_bytes", "held_bytes": "reserved_bytes",
             "allocations": "allocations", "frees": "frees", "resident_bytes": "resident_bytes"}
@@ -87,6 +88,8 @@ def memory_summary(device: int | None = None) -> str:
         f"{format_size(s['peak_resident_bytes'])}, budget "
         f"{'none' if not s['budget_bytes'] else format_size(s['budget_bytes'])}; evictions {s['evictions']} "
         f"({format_size(s['evicted_bytes'])})",
+        f" GPU-backed (what the driver holds for the pool) {format_size(s['gpu_backed_bytes'])}, peak "
+        f"{format_size(s['peak_gpu_backed_bytes'])}",
         f" GPU memory high-water since install (NVML): {highwater}",
         "=" * width,
     ]

@@ -78,8 +78,11 @@ class TrainingTags:
 
     Gradients appear during backward and, with zero_grad(set_to_none=True), anew every step;
     optimizer state appears at the first step. A hook before each optimizer step retags all
-    gradients in one call, and the step itself runs under the optimizer_state tag so the state
-    it creates is born with its tag.
+    gradients in one call. A step that may create state (the first, or one after the state grew)
+    runs under the optimizer_state tag, so the state is born with its tag and its hints: a
+    host-mapped state is then never backed by GPU memory. Later steps run under "other": their
+    temporaries (foreach intermediates) are scratch and must not be placed like state. New state
+    tensors are retagged once after the step that made them.
     """
 
     def __init__(self, model, optimizer):
@@ -92,12 +95,13 @@ class TrainingTags:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         retag([p.grad for p in self._params if p.grad is not None], "gradient")
-        self._step_scope = tag("optimizer_state")
+        settled = self._state_count == _state_count(optimizer) > 0
+        self._step_scope = tag("other" if settled else "optimizer_state")
         self._step_scope.__enter__()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._step_scope.__exit__(None, None, None)
-        count = sum(len(s) for s in optimizer.state.values())
+        count = _state_count(optimizer)
         if count != self._state_count:  # new state tensors: retag once, not every step
             self._state_count = count
             tag_optimizer(optimizer)
@@ -105,6 +109,10 @@ class TrainingTags:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _state_count(optimizer) -> int:
+    return sum(len(s) for s in optimizer.state.values())
 
 
 def tag_training(model, optimizer) -> TrainingTags:

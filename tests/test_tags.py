@@ -1,0 +1,52 @@
+"""Tag scopes around optimizer steps, on the CPU: the scope is the core's process-wide current
+tag, which needs no GPU; retag (which needs um_alloc installed) is recorded instead."""
+import pytest
+import torch
+
+from um_alloc import _lib
+from um_alloc.tags import TAGS, TrainingTags
+
+
+def _current_tag() -> str:
+    return TAGS[_lib.load().um_current_tag()]
+
+
+@pytest.fixture
+def retags(monkeypatch):
+    calls = []
+    monkeypatch.setattr("um_alloc.tags.retag", lambda obj, name: calls.append((name, len(list(obj)))) or 0)
+    return calls
+
+
+def test_state_is_born_under_its_tag_and_later_steps_run_as_scratch(retags):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tags = TrainingTags(model, optimizer)
+    seen = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append(_current_tag()))  # runs after TrainingTags'
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert seen == ["optimizer_state", "other", "other"]
+    assert _current_tag() == "activation"  # the scope ends with the step
+    # the state (step, exp_avg, exp_avg_sq for weight and bias) is retagged once, after step 1
+    assert [c for c in retags if c[0] == "optimizer_state"] == [("optimizer_state", 6)]
+    tags.remove()
+
+
+def test_state_made_by_a_later_step_is_retagged_after_it(retags):
+    first, second = torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(first.parameters(), lr=0.1)
+    TrainingTags(first, optimizer)
+    seen = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append(_current_tag()))
+    for step in range(4):
+        if step == 2:
+            optimizer.add_param_group({"params": second.parameters()})
+        second(first(torch.randn(3, 4))).sum().backward()
+        optimizer.step()
+    # step 2 makes the new group's state under "other" (the old state looked settled); the hook
+    # after it retags all state, and step 3 is settled again
+    assert seen == ["optimizer_state", "other", "other", "other"]
+    assert [c for c in retags if c[0] == "optimizer_state"] == [("optimizer_state", 6), ("optimizer_state", 12)]
