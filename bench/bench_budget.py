@@ -14,11 +14,13 @@ from pathlib import Path
 from common import RESULTS, write_result
 
 HERE = Path(__file__).resolve().parent
+POLICIES = {"reactive": "none.yaml", "planned": "best.yaml", "offload": "best.yaml, evict_live: false",
+            "offload_hostopt": "host_optimizer.yaml"}
 
 
 def run(method: str, args) -> dict | None:
     cmd = [sys.executable, str(HERE / "budget_run.py"), method, "--budget", args.budget, "--batch", str(args.batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--window", args.window]
     print("$", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
@@ -34,7 +36,8 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=int, default=300)
-    p.add_argument("--methods", default="stock,save_on_cpu,checkpointing,reactive,planned")
+    p.add_argument("--methods", default="stock,save_on_cpu,checkpointing,reactive,planned,offload,offload_hostopt")
+    p.add_argument("--window", default="1GiB", help="offload methods: bytes copied back ahead of backward")
     args = p.parse_args()
     results = {m: run(m, args) for m in args.methods.split(",")}
     stock = results.get("stock")
@@ -46,7 +49,7 @@ def main():
             continue
         ratio = r["samples_per_s"] / base if base else None
         record = {"device": r["device"], "date": _now(), "workload": f"bert-large-mlm-seq512-bf16-b{args.batch}",
-                  "method": method, "policy": {"reactive": "none.yaml", "planned": "best.yaml"}.get(method),
+                  "method": method, "policy": POLICIES.get(method),
                   "batch": r["batch"], "budget_bytes": r["budget_bytes"], "step_s_median": r["step_s_median"],
                   "samples_per_s": r["samples_per_s"], "ratio_vs_stock": ratio,
                   "highwater_bytes": r["highwater_bytes"], "gpu_page_faults": None, "htod_bytes": None,

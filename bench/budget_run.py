@@ -3,7 +3,9 @@
 Methods: stock (in memory, no budget), save_on_cpu and checkpointing (stock PyTorch limited to
 the budget by set_per_process_memory_fraction), reactive (um_alloc none.yaml + scheduler.budget:
 LRU eviction, faults bring data back), planned (um_alloc best.yaml + budget + the trace/plan/
-replay scheduler). Run by bench/bench_budget.py, one process per method.
+replay scheduler), offload (um_alloc best.yaml, the budget hard, + ActivationOffload sized to it)
+and offload_hostopt (the same with host_optimizer.yaml: AdamW's moments in host memory). All use
+fused AdamW. Run by bench/bench_budget.py, one process per method.
 
     python bench/budget_run.py planned --budget 16GiB --batch 32 --steps 8
 """
@@ -14,7 +16,8 @@ import json
 import statistics
 import time
 
-METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "planned")
+METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "planned", "offload", "offload_hostopt")
+HARD = {"offload": "best.yaml", "offload_hostopt": "host_optimizer.yaml"}  # policies under a hard budget
 
 
 def parse_args():
@@ -26,6 +29,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--window", default="1GiB", help="offload methods: bytes copied back ahead of backward")
     return p.parse_args()
 
 
@@ -37,6 +41,8 @@ def setup(args, budget: int):
     if args.method in ("reactive", "planned"):
         policy = "none.yaml" if args.method == "reactive" else "best.yaml"
         um_alloc.install({**_policy_dict(policy), "scheduler": {"budget": budget}})
+    elif args.method in HARD:
+        um_alloc.install({**_policy_dict(HARD[args.method]), "scheduler": {"budget": budget, "evict_live": False}})
     elif args.method != "stock":
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(budget / total)
@@ -65,7 +71,7 @@ def build(args, device):
         model = BertForMaskedLM(config).to(device)
     if args.method == "checkpointing":
         model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if um:
         um_alloc.tag_training(model, opt)
     return model, opt, config
@@ -97,7 +103,13 @@ def run_step(args, model, opt, ids, labels, scheduler):
     ids, labels = ids.cuda(non_blocking=True), labels.cuda(non_blocking=True)
     if um_alloc.is_installed():
         um_alloc.retag((ids, labels), "input")
-    offload = torch.autograd.graph.save_on_cpu(pin_memory=True) if args.method == "save_on_cpu" else _null()
+    if args.method == "save_on_cpu":
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    elif args.method in HARD:
+        offload = scheduler.step()  # an ActivationOffload
+        scheduler = None
+    else:
+        offload = _null()
     with scheduler.step() if scheduler else _null(), offload:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=labels).loss
@@ -123,6 +135,10 @@ def main():
         from um_alloc.scheduler.execute import OutOfCoreScheduler
 
         scheduler = OutOfCoreScheduler(model, budget)
+    elif args.method in HARD:
+        from um_alloc.offload import ActivationOffload
+
+        scheduler = ActivationOffload(budget, window=args.window)
     losses, times = [], []
     data = batches(args, config.vocab_size)
     for _ in range(args.steps):
@@ -140,10 +156,14 @@ def main():
     if um_alloc.is_installed():
         s = um_alloc.memory_stats()
         out.update({k: s[k] for k in ("evictions", "evicted_bytes", "prefetch_bytes", "peak_resident_bytes",
-                                      "over_budget_allocations", "peak_reserved_bytes")})
+                                      "over_budget_allocations", "peak_reserved_bytes", "peak_gpu_backed_bytes")})
     else:
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(0)
-    if scheduler is not None and scheduler.plan is not None:
+    if args.method in HARD:
+        st = scheduler.stats
+        out.update(saved_bytes=st.saved_bytes, kept_bytes=st.kept_bytes, last_bytes_out=st.out_bytes,
+                   last_bytes_in=st.in_bytes, on_demand=st.on_demand, offload_all=st.offload_all)
+    elif scheduler is not None and scheduler.plan is not None:
         last = scheduler.last
         out.update(plan_out_bytes=scheduler.plan.swap_out_bytes, plan_in_bytes=scheduler.plan.swap_in_bytes,
                    plan_peak=scheduler.plan.peak_bytes, plan_budget=scheduler.plan.budget,

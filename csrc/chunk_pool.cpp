@@ -140,7 +140,7 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
 // Best fit; under a budget, among the next few fits the smallest whose first `rounded` bytes are
 // already where the request wants them, so reuse neither pushes other chunks out nor makes the
 // driver back new GPU memory: on the GPU (resident; GPU-backed under a hard budget) for GPU
-// tags, never GPU-backed for host-mapped tags.
+// tags, never GPU-backed for host-mapped tags (a new arena if none is free, under a hard budget).
 Block* ChunkPool::find_run(size_t rounded, Tag tag) {
   Block* best = find_fit(free_runs_, rounded);
   if (!best || !budget_.budget || !budget_.enabled) return best;
@@ -158,6 +158,10 @@ Block* ChunkPool::find_run(size_t rounded, Tag tag) {
     size_t i = first;
     while (i < end && suits(run->arena->chunks[i])) ++i;
     if (i == end) return run;
+  }
+  // Host data in GPU-backed chunks would hold budget it never uses: new address space instead.
+  if (for_host && backing) {
+    if (Block* fresh = grow(rounded)) return fresh;
   }
   return best;
 }

@@ -474,3 +474,17 @@ def test_released_arenas_leave_the_residency_accounting(make_pool):
     s = pool.raw_stats()
     assert (s["resident_bytes_total"], s["resident_free_bytes"], s["reserved_bytes"], s["backed_bytes"]) == (0, 0, 0, 0)
     pool.malloc(16 * MiB)  # the whole budget again: nothing of the old arena is still counted
+
+
+def test_under_a_hard_budget_host_mapped_data_takes_new_address_space_over_backed_runs(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=8 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.free(pool.malloc(8 * MiB))  # the whole first arena: free, GPU-backed
+    state = pool.malloc(4 * MiB, tag="optimizer_state")
+    s = pool.raw_stats()
+    assert (s["arena_reserves"], s["evictions"], s["backed_bytes"]) == (2, 0, 8 * MiB)
+    assert pool.block_at(state).residency == "host"
+    pool.malloc(8 * MiB)  # the GPU data still gets the backed arena, within the budget

@@ -1,0 +1,83 @@
+"""ActivationOffload's logic on the CPU (plain copies; the CUDA path adds streams and events)."""
+import pytest
+import torch
+
+from um_alloc.offload import ActivationOffload
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                 for _ in range(4)]).double()
+
+
+def _grads(model, x, offload=None):
+    model.zero_grad(set_to_none=True)
+    if offload is None:
+        model(x).pow(2).sum().backward()
+    else:
+        with offload.step():
+            model(x).pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_gradients_equal_plain_autograd_while_offloading_and_keeping():
+    model, x = _model(), torch.randn(32, 16, dtype=torch.float64)
+    expected = _grads(model, x)
+    sizes = 32 * 16 * 8  # every saved activation here is a 32 x 16 float64 tensor
+    offload = ActivationOffload(budget=100 * sizes, margin=0, min_bytes=0, device="cpu",
+                                peak_fn=lambda: 97 * sizes)  # room for the last 3
+    for step in range(4):
+        got = _grads(model, x, offload)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), f"step {step}"
+        if step < 2:  # calibrating: everything eligible moves
+            assert offload.stats.offload_all and offload.stats.kept_bytes == 0
+        else:
+            assert not offload.stats.offload_all and offload.stats.kept_bytes == 3 * sizes
+        assert offload.stats.out_bytes == offload.stats.saved_bytes - offload.stats.kept_bytes
+        assert offload.stats.in_bytes == offload.stats.out_bytes
+
+
+def test_parameters_are_never_offloaded_and_a_tensor_saved_twice_moves_once():
+    weight = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    with offload.step():
+        y = torch.tanh(x @ weight)   # mm saves x (a leaf requiring grad: stays) and weight (stays)
+        (y * y).sum().backward()     # y is saved twice by mul (and once by tanh): one copy
+    assert offload.stats.saved_bytes == offload.stats.out_bytes == 64 * 64 * 8
+    expected_x = (2 * y * (1 - y**2)) @ weight.T
+    assert torch.allclose(x.grad, expected_x.detach())
+
+
+def test_small_tensors_stay():
+    model, x = _model(), torch.randn(4, 16, dtype=torch.float64)
+    offload = ActivationOffload(min_bytes=4 * 16 * 8 + 1, device="cpu")
+    _grads(model, x, offload)
+    assert offload.stats.saved_bytes == offload.stats.out_bytes == 0
+
+
+def test_a_step_unlike_the_first_offloads_everything():
+    model = _model()
+    offload = ActivationOffload(budget=10**9, margin=0, min_bytes=0, device="cpu", peak_fn=lambda: 0)
+    for _ in range(3):
+        _grads(model, torch.randn(32, 16, dtype=torch.float64), offload)
+    assert offload.stats.kept_bytes == offload.stats.saved_bytes > 0  # all fits: nothing moves
+    x = torch.randn(8, 16, dtype=torch.float64)  # other shapes: the plan does not apply
+    expected = _grads(model, x)
+    got = _grads(model, x, offload)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert offload.stats.kept_bytes == 0 and offload.stats.out_bytes == offload.stats.saved_bytes > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget="1GiB", margin="2GiB"), "budget 1073741824 bytes must be larger than the margin"),
+    (dict(budget="16GiB"), "on the CPU a budget needs peak_fn"),
+    (dict(calibration_steps=0), "calibration_steps must be an int >= 1"),
+    (dict(window=-1), "window must be bytes >= 0"),
+    (dict(window="1 GB"), "window"),
+    (dict(device="meta"), "device must be cuda, cuda:N or cpu"),
+])
+def test_bad_settings_say_what_is_allowed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ActivationOffload(**{"device": "cpu", **kwargs})
