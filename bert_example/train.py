@@ -1,7 +1,7 @@
 """BERT masked-LM pretraining on um_alloc, or on PyTorch's stock allocator for comparison.
 
     UM_POLICY=best.yaml python bert_example/train.py                  # BERT-Large, batch 8, seq 512
-    python bert_example/train.py --batch-size 256 --micro-batch auto --memory-limit 16GiB
+    python bert_example/train.py --batch-size 256 --micro-batch 14 --policy host_optimizer.yaml --budget 16GiB
     python bert_example/train.py --device cpu --allocator stock --model tiny --seq-len 32
 
 The model is transformers' BertForMaskedLM built from a BertConfig (no weights are downloaded);
