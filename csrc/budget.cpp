@@ -1,4 +1,8 @@
-// GPU residency accounting and the reactive budget (the pool's half of the out-of-core work).
+// GPU residency accounting and the budgets (the pool's half of the out-of-core work).
+//
+// A hard budget (evict_live false) bounds GPU-backed chunks: those the GPU has held pages of since
+// their arena was reserved, because the driver keeps a range's GPU memory until cudaFree. The rest
+// of this comment is the reactive budget.
 //
 // Every chunk records whether the pool believes its pages are on the GPU. A run handed to PyTorch
 // is assumed to be touched by the GPU, so it becomes resident; prefetches make chunks resident;
@@ -71,8 +75,8 @@ void ChunkPool::mark_free(Block* run) {
 }
 
 // Makes room on the GPU for chunks [first, end) of `a` about to be handed out. Reactive mode
-// (evict_live) always succeeds, over budget if nothing else can go; a hard budget evicts free
-// chunks only and returns false when live data alone would pass it.
+// (evict_live) always succeeds, over budget if nothing else can go; a hard budget is checked
+// against GPU-backed memory instead and returns false when the chunks do not fit it.
 bool ChunkPool::make_room(Arena* a, size_t first, size_t end, Stream stream) {
   if (!budget_.budget || !budget_.enabled) return true;
   if (hard_budget()) return within_backing(a, first, end);
@@ -81,7 +85,6 @@ bool ChunkPool::make_room(Arena* a, size_t first, size_t end, Stream stream) {
     if (a->chunks[i].residency != Residency::gpu) incoming += config_.chunk_size;
   while (stats_.resident_bytes_total + incoming > budget_.budget) {
     if (!evict_one(a, first, end, stream)) {
-      if (!budget_.evict_live) return false;
       ++stats_.over_budget_allocations;  // everything else is small or in use by this request
       return true;
     }
@@ -145,7 +148,6 @@ bool ChunkPool::evict_one(Arena* skip_arena, size_t skip_first, size_t skip_end,
                !(a == skip_arena && end >= skip_first && end < skip_end))
           ++end;
       } else {  // a live block goes whole, if it is large enough to swap
-        if (!budget_.evict_live) continue;
         Block* b = live_block_containing(a->base + i * config_.chunk_size);
         if (!b) continue;
         start = static_cast<size_t>(b->ptr - a->base) / config_.chunk_size;

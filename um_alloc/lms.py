@@ -12,7 +12,7 @@ With evict_live: false it is hard: only free chunks leave, then allocations fail
 from __future__ import annotations
 
 from .install import installation
-from .policy import parse_size
+from .policy import size_arg
 from .pool import ChunkPool
 
 __all__ = ["set_enabled_lms", "get_enabled_lms", "set_limit_lms", "get_limit_lms", "set_size_lms",
@@ -34,14 +34,6 @@ def _apply(limit: int, size: int, enabled: bool) -> None:
     pool.set_budget(limit, size, enabled, evict_live=pool.budget_evicts_live())
 
 
-def _bytes(value: int | str, what: str) -> int:
-    if isinstance(value, str):
-        return parse_size(value, key=what, source="um_alloc.lms")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a size in bytes >= 0 or a string like '10GiB', got {value!r}")
-    return value
-
-
 def set_enabled_lms(enable: bool) -> None:
     """Turns budget enforcement on or off without forgetting the limit."""
     limit, size, _ = _settings()
@@ -54,7 +46,7 @@ def get_enabled_lms() -> bool:
 
 def set_limit_lms(limit: int | str) -> None:
     """The GPU residency budget in bytes (or '10GiB'); 0 removes it."""
-    budget = _bytes(limit, "limit")
+    budget = size_arg(limit, "limit", "um_alloc.lms")
     total = installation().device_total
     if budget > total:
         raise ValueError(f"limit {budget} bytes is larger than the device's {total} bytes")
@@ -69,7 +61,7 @@ def get_limit_lms() -> int:
 def set_size_lms(size: int | str) -> None:
     """Allocations smaller than `size` bytes (or '1MiB') are never swapped out."""
     limit, _, enabled = _settings()
-    _apply(limit, _bytes(size, "size"), enabled)
+    _apply(limit, size_arg(size, "size", "um_alloc.lms"), enabled)
 
 
 def get_size_lms() -> int:

@@ -36,7 +36,7 @@ from typing import Iterator
 
 import torch
 
-from .policy import parse_size
+from .policy import size_arg
 
 log = logging.getLogger(__name__)
 
@@ -259,11 +259,7 @@ class ActivationOffload:
 
 
 def _size(value: int | str, what: str) -> int:
-    if isinstance(value, str):
-        return parse_size(value, key=what, source="ActivationOffload")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"ActivationOffload: {what} must be bytes >= 0 or a size like '1GiB', got {value!r}")
-    return value
+    return size_arg(value, what, "ActivationOffload")
 
 
 def _device(device: torch.device | str | None) -> torch.device:

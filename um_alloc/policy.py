@@ -136,6 +136,15 @@ def parse_size(value: Any, *, key: str, source: str) -> int:
     return _parse_size(value, _At(source, key), _SIZE_ALLOWED)
 
 
+def size_arg(value: Any, what: str, source: str) -> int:
+    """A size given to a function: an int >= 0 (bytes) or a string like "1GiB". ValueError otherwise."""
+    if isinstance(value, str):
+        return parse_size(value, key=what, source=source)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source}: {what} must be bytes >= 0 or a size like '1GiB', got {value!r}")
+    return value
+
+
 def _parse_size(value: Any, at: _At, allowed: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise at.error("not a size", allowed=allowed, received=value)
@@ -294,13 +303,7 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
         raise at.child("pool.max_reserved").error(
             f"must hold at least one chunk ({pool.chunk_size} bytes)", received=pool.max_reserved)
     scheduler = _section(SchedulerSettings, top.get("scheduler"), at.child("scheduler"))
-    budget = scheduler.budget
-    if isinstance(budget, int) and budget < pool.chunk_size:
-        # Usually `budget: 1` meant "all of the device"; as an int it is one byte.
-        raise at.child("scheduler.budget").error(
-            f"an absolute budget must hold at least one chunk ({pool.chunk_size} bytes)",
-            allowed=_BUDGET_ALLOWED, received=budget,
-            hint="An integer is bytes; a fraction needs a decimal point, e.g. 1.0.")
+    _check_budget_holds_a_chunk(scheduler.budget, pool.chunk_size, at.child("scheduler.budget"))
     return Policy(name=name, source=source, pool=pool, scheduler=scheduler,
                   tags=_tags(top.get("tags"), at.child("tags")))
 
@@ -349,12 +352,18 @@ def host_mapped(advice: TagAdvice) -> bool:
 
 def with_budget(policy: Policy, budget: Any, *, source: str) -> Policy:
     """The policy with scheduler.budget replaced by `budget`, checked as the key would be."""
-    value = _budget(budget, _At(source, "budget"))
-    if isinstance(value, int) and value < policy.pool.chunk_size:
-        raise _At(source, "budget").error(
-            f"an absolute budget must hold at least one chunk ({policy.pool.chunk_size} bytes)",
-            allowed=_BUDGET_ALLOWED, received=budget)
+    at = _At(source, "budget")
+    value = _budget(budget, at)
+    _check_budget_holds_a_chunk(value, policy.pool.chunk_size, at)
     return replace(policy, scheduler=replace(policy.scheduler, budget=value))
+
+
+def _check_budget_holds_a_chunk(budget: int | float | None, chunk_size: int, at: _At) -> None:
+    if isinstance(budget, int) and budget < chunk_size:
+        # Usually `budget: 1` meant "all of the device"; as an int it is one byte.
+        raise at.error(f"an absolute budget must hold at least one chunk ({chunk_size} bytes)",
+                       allowed=_BUDGET_ALLOWED, received=budget,
+                       hint="An integer is bytes; a fraction needs a decimal point, e.g. 1.0.")
 
 
 # ---------------------------------------------------------------- device checks
