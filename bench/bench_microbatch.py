@@ -84,27 +84,27 @@ def _line(label: str, summary: dict | None) -> str:
             f"{gib(summary['device_used_delta_bytes'])}, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
 
 
-def largest_stock_batch(args) -> int:
-    """Doubles from --stock-start until a batch runs out of memory (halving if the start already
-    does), then binary-searches between the largest fit and the smallest failure."""
-    fits, fails, batch = 0, None, args.stock_start
+def largest_batch(args, allocator: str, start: int, limit: int, probe_steps: int = 2, extra=()) -> int:
+    """Doubles from `start` until a batch runs out of memory (halving if the start already does),
+    then binary-searches between the largest fit and the smallest failure; at most `limit`."""
+    fits, fails, batch = 0, None, start
     while fails is None or fails - fits > 1:
-        summary = train(args, "stock", batch, steps=2, warmup=1)
-        print(_line(f"[stock probe] batch {batch}", summary), flush=True)
+        summary = train(args, allocator, batch, steps=probe_steps, warmup=probe_steps - 1, extra=extra)
+        print(_line(f"[{allocator} probe] batch {batch}", summary), flush=True)
         if summary is not None:
             fits = batch
         else:
             fails = batch
-        if fails is None and fits >= args.stock_max:
+        if fails is None and fits >= limit:
             break
-        batch = min(fits * 2, args.stock_max) if fails is None else (fits + fails) // 2
+        batch = min(fits * 2, limit) if fails is None else (fits + fails) // 2
         if batch == 0:
-            raise RuntimeError(f"stock PyTorch cannot train even batch 1 in {args.memory_limit}")
+            raise RuntimeError(f"{allocator} cannot train even batch 1 in {args.memory_limit}")
     return fits
 
 
 def run_stock(args) -> dict:
-    batch = largest_stock_batch(args)
+    batch = largest_batch(args, "stock", args.stock_start, args.stock_max)
     while True:  # a longer run can still fail right at the edge: step down
         summary = train(args, "stock", batch, args.steps, args.warmup_steps)
         print(_line(f"[stock] batch {batch}", summary), flush=True)

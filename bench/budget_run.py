@@ -3,9 +3,15 @@
 Methods: stock (in memory, no budget), save_on_cpu and checkpointing (stock PyTorch limited to
 the budget by set_per_process_memory_fraction), reactive (um_alloc none.yaml + scheduler.budget:
 LRU eviction, faults bring data back), planned (um_alloc best.yaml + budget + the trace/plan/
-replay scheduler), offload (um_alloc best.yaml, the budget hard, + ActivationOffload sized to it)
-and offload_hostopt (the same with host_optimizer.yaml: AdamW's moments in host memory). All use
-fused AdamW. Run by bench/bench_budget.py, one process per method.
+replay scheduler), offload (um_alloc best.yaml, the budget hard, + ActivationOffload sized to it),
+offload_hostopt (the same with host_optimizer.yaml: AdamW's moments in host memory) and
+offload_stock (ActivationOffload over stock PyTorch limited like save_on_cpu: what the pool adds).
+All use fused AdamW. Run by bench/bench_budget.py, one process per method.
+
+Besides throughput, each run reports the median time of its phases (forward, backward, optimizer
+step; CUDA events on the compute stream) and the pinned-host copy rate each way between host
+memory and memory from this run's allocator, measured before training, so that bench_budget.py
+can bound the step time by the bytes the link must carry.
 
     python bench/budget_run.py planned --budget 16GiB --batch 32 --steps 8
 """
@@ -16,7 +22,9 @@ import json
 import statistics
 import time
 
-METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "planned", "offload", "offload_hostopt")
+METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "planned", "offload", "offload_hostopt",
+           "offload_stock")
+OFFLOAD = ("offload", "offload_hostopt", "offload_stock")  # methods driven by ActivationOffload
 HARD = {"offload": "best.yaml", "offload_hostopt": "host_optimizer.yaml"}  # policies under a hard budget
 
 
@@ -43,7 +51,7 @@ def setup(args, budget: int):
         um_alloc.install({**_policy_dict(policy), "scheduler": {"budget": budget}})
     elif args.method in HARD:
         um_alloc.install({**_policy_dict(HARD[args.method]), "scheduler": {"budget": budget, "evict_live": False}})
-    elif args.method != "stock":
+    elif args.method != "stock":  # stock PyTorch limited to the budget (offload_stock too)
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(budget / total)
     return torch.device("cuda", 0)
@@ -105,18 +113,44 @@ def run_step(args, model, opt, ids, labels, scheduler):
         um_alloc.retag((ids, labels), "input")
     if args.method == "save_on_cpu":
         offload = torch.autograd.graph.save_on_cpu(pin_memory=True)
-    elif args.method in HARD:
+    elif args.method in OFFLOAD:
         offload = scheduler.step()  # an ActivationOffload
         scheduler = None
     else:
         offload = _null()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    marks[0].record()
     with scheduler.step() if scheduler else _null(), offload:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=labels).loss
+        marks[1].record()
         loss.backward()
+    marks[2].record()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item()
+    marks[3].record()
+    loss = loss.item()
+    return loss, [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
+
+
+def link_rates(device, nbytes: int = 256 << 20, repeats: int = 4) -> dict:
+    """GB/s of pinned-host copies each way, to and from memory of this run's allocator."""
+    import torch
+
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for name, copy in (("d2h", lambda: host.copy_(gpu, non_blocking=True)),
+                       ("h2d", lambda: gpu.copy_(host, non_blocking=True))):
+        copy()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            copy()
+        end.record()
+        end.synchronize()
+        rates[f"link_{name}_GBps"] = repeats * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    return rates
 
 
 def main():
@@ -135,31 +169,37 @@ def main():
         from um_alloc.scheduler.execute import OutOfCoreScheduler
 
         scheduler = OutOfCoreScheduler(model, budget)
-    elif args.method in HARD:
+    elif args.method in OFFLOAD:
         from um_alloc.offload import ActivationOffload
 
         scheduler = ActivationOffload(budget, window=args.window)
-    losses, times = [], []
+    rates = link_rates(device)
+    losses, times, phases = [], [], []
     data = batches(args, config.vocab_size)
     for _ in range(args.steps):
         ids, labels = next(data)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        losses.append(run_step(args, model, opt, ids, labels, scheduler))
+        loss, phase_s = run_step(args, model, opt, ids, labels, scheduler)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        losses.append(loss)
+        phases.append(phase_s)
     step_s = statistics.median(times[args.warmup:] or times)
+    timed = phases[args.warmup:] or phases
     out = {"method": args.method, "batch": args.batch, "budget_bytes": budget if args.method != "stock" else None,
            "device": torch.cuda.get_device_name(0), "step_s": times, "step_s_median": step_s,
            "samples_per_s": args.batch / step_s, "losses": losses,
-           "highwater_bytes": (device_memory(0).used_bytes - used_before) if device_memory(0) else None}
+           "highwater_bytes": (device_memory(0).used_bytes - used_before) if device_memory(0) else None,
+           **{f"{name}_s_median": statistics.median(p[i] for p in timed)
+              for i, name in enumerate(("forward", "backward", "optimizer"))}, **rates}
     if um_alloc.is_installed():
         s = um_alloc.memory_stats()
         out.update({k: s[k] for k in ("evictions", "evicted_bytes", "prefetch_bytes", "peak_resident_bytes",
                                       "over_budget_allocations", "peak_reserved_bytes", "peak_gpu_backed_bytes")})
     else:
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(0)
-    if args.method in HARD:
+    if args.method in OFFLOAD:
         st = scheduler.stats
         out.update(saved_bytes=st.saved_bytes, kept_bytes=st.kept_bytes, last_bytes_out=st.out_bytes,
                    last_bytes_in=st.in_bytes, on_demand=st.on_demand, offload_all=st.offload_all)

@@ -12,6 +12,7 @@ default on CUDA; on CPU training runs in float32. ``main(argv)`` returns the run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -112,6 +113,27 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--budget applies to --allocator um only (for stock PyTorch use --memory-limit)")
     if args.resume and args.checkpoint is None:
         parser.error("--resume needs --checkpoint DIR")
+    if args.allocator == "um":
+        check_policy(parser, args)
+
+
+def check_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The policy loads, and what it asks of the run combines with the other options."""
+    from um_alloc.policy import PolicyError, load_policy
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as error:
+        parser.error(str(error))
+    if not policy.scheduler.offload_activations:
+        return
+    clash = [flag for flag, given in (("--micro-batch", args.micro_batch is not None),
+                                      ("--offload", args.offload is not None),
+                                      ("--checkpointing", args.checkpointing)) if given]
+    if clash:
+        parser.error(f"policy {policy.name!r} offloads activations (scheduler.offload_activations: true), "
+                     f"which does not combine with {', '.join(clash)}; use a policy without it, such as "
+                     "host_optimizer.yaml, or drop the flag")
 
 
 def memory_limit_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
@@ -274,6 +296,14 @@ def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype):
     return step, None
 
 
+def offload_activations(step_fn, offload):
+    """Forward and backward under um_alloc's ActivationOffload (the policy asked for it)."""
+    def step(batch):
+        with offload.step():
+            return step_fn(batch)
+    return step
+
+
 def save_on_cpu(step_fn, device: torch.device):
     """Saved activations go to host memory (pinned on CUDA) in forward and return in backward."""
     def step(batch):
@@ -346,6 +376,10 @@ def print_summary(summary: dict, allocator: str) -> None:
           f"{summary['samples_per_s']:.1f} samples/s")
     print(f"  loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
     print(f"  peak memory {gib(summary['peak_bytes'])} live, {gib(summary['peak_reserved_bytes'])} reserved")
+    offload = summary.get("activation_offload")
+    if offload:
+        print(f"  activation offload (last step): saved {gib(offload['saved_bytes'])}, kept "
+              f"{gib(offload['kept_bytes'])} on the GPU, moved {gib(offload['out_bytes'])} each way")
     if allocator == "um" and summary["peak_bytes"] is not None:
         import um_alloc
 
@@ -398,10 +432,19 @@ def main(argv: list[str] | None = None) -> dict:
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.no_bf16 else None
     step_fn, streamer = make_step_fn(args, model, optimizer, device, autocast_dtype)
     step_fn = save_on_cpu(step_fn, device) if args.offload == "save_on_cpu" else step_fn
+    offload = None
+    if args.allocator == "um":
+        from um_alloc.offload import from_policy
+
+        offload = from_policy()  # None unless the policy offloads activations under a budget
+        step_fn = offload_activations(step_fn, offload) if offload else step_fn
     step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
     losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done)
     summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
     summary.update(offload=args.offload, checkpointing=args.checkpointing, **profiler.finish(args.warmup_steps))
+    if offload is not None:
+        summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
+                                         **dataclasses.asdict(offload.stats)}
     print_summary(summary, args.allocator)
     profiler.report(summary)
     if args.json:

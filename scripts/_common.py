@@ -29,6 +29,7 @@ from um_alloc.profile.tables import COUNTER_COLUMNS, write_tables  # noqa: E402
 RUN_COLUMNS = [("name", "run", "text"), ("status", "status", "text"), ("step_s_median", "median step", "seconds"),
                ("samples_per_s", "samples/s", "rate")]
 MEMORY_COLUMNS = [("highwater_bytes", "GPU high-water", "bytes"), ("peak_bytes", "peak live", "bytes")]
+OFFLOAD_COLUMNS = [("offload_out_bytes", "offloaded each way /step", "bytes")]  # pinned copies, not UM
 
 
 @dataclass
@@ -99,6 +100,8 @@ def row(run: Run, summary: dict | None, status: str, note: str = "") -> dict:
         out[key] = summary.get(key)
     out["highwater_bytes"] = summary.get("device_used_delta_bytes")
     out["peak_resident_bytes"] = (summary.get("memory_stats") or {}).get("peak_resident_bytes")  # the pool's view
+    # Pinned copies of the policy's activation offload: link traffic CUPTI's UM counters do not see.
+    out["offload_out_bytes"] = (summary.get("activation_offload") or {}).get("out_bytes")
     counters = summary.get("um_counters") or {}
     out["counters"] = "cupti" if counters.get("available") else (counters.get("reason") or "not requested")
     out.update({k: v for k, v in (counters.get("timed_mean") or {}).items() if k in COUNTER_FIELDS})

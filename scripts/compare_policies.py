@@ -6,15 +6,14 @@ budget, CUPTI counters on in every run (so every run pays the same profiling ove
     python scripts/compare_policies.py --dry-run                             # what would run
 
 Default set: none, worst, best; then ablations of best: advice only (best's hints, no
-prefetch) and prefetch only (best's prefetches, no hints). Ablations that need the scheduler
-(issue 3) are listed and skipped unless their policy validates AND --include-scheduler is given:
-scheduler on/off (best with and without scheduler.budget), each eviction path, three schedule
-windows. The eviction-path key (scheduler.eviction) is a proposal the policy does not accept yet,
-so those stay skipped until the scheduler offers a choice of path.
+prefetch) and prefetch only (best's prefetches, no hints), each with best's scheduler. With --budget, also the ablations of
+what happens under a budget (best offloads activations by pinned copies under a hard budget):
+offload_off (the hard budget alone), each way data leaves the GPU (evict_reactive: least recently
+used chunks to the host by prefetch, faults bring them back; evict_host_mapped: best plus the
+optimizer state host-mapped, written by the GPU over the link), and three schedule windows.
 
-Budgets: --memory-limit caps the managed memory of every run (pool.max_reserved: past it, OOM);
---budget sets scheduler.budget (GPU residency; the scheduler evicts to keep it) in a copy of
-every policy. The scheduler ablations use --budget, else --memory-limit.
+Budgets: --budget writes scheduler.budget into a copy of every policy (OUT/policies/*.yaml);
+--memory-limit caps the managed memory of every run (pool.max_reserved: past it, OOM).
 
 Writes OUT/policies.csv and .md (per-step counters are means over the timed steps), OUT/*.png
 (step time, throughput, GPU faults, migrated bytes by direction and cause, high-water mark),
@@ -26,18 +25,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from _common import (MEMORY_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args, counter_columns, out_dir,
+from _common import (MEMORY_COLUMNS, OFFLOAD_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args, counter_columns, out_dir,
                      print_plan, raw_policy, row, run_train, validation_error, workload_args, write_all, write_policy)
 
 from um_alloc.policy import PolicyError, TagAdvice, load_policy  # noqa: E402
 
-SHIPPED = [("none", "no advice, no prefetch: pages move on faults only"),
+SHIPPED = [("none", "no advice, no prefetch: pages move on faults only; reactive eviction under a budget"),
            ("worst", "the opposite of best: everything prefers the CPU, nothing is prefetched"),
-           ("best", "Choi & Lee's advice plus prefetch on every tag but other")]
-NEEDS_SCHEDULER = "needs the scheduler (issue 3)"
-EVICTION_PATHS = {"prefetch_to_host": "evict by cudaMemPrefetchAsync to the host",
-                  "copy_and_discard": "evict by a pinned copy out + cudaMemDiscardBatchAsync",
-                  "reactive": "evict least-recently-used chunks over budget, let faults bring them back"}
+           ("best", "Choi & Lee's advice plus prefetch; under a budget: hard, activations offloaded")]
+NEEDS_BUDGET = "needs --budget (it changes only what happens under a budget)"
 WINDOWS = ("256MiB", "1GiB", "4GiB")
 
 
@@ -46,7 +42,6 @@ def parse_args(argv=None):
     p.add_argument("policies", nargs="*", help="extra policy files, run after the default set")
     add_workload_args(p)
     p.add_argument("--budget", metavar="SIZE", help="scheduler.budget for every policy (copies under OUT/policies/)")
-    p.add_argument("--include-scheduler", action="store_true", help="also run scheduler ablations whose policy validates")
     p.add_argument("--only", metavar="NAMES", help="comma-separated names to run (others are listed as skipped)")
     p.add_argument("--timeline", action="store_true", help="also draw each run's last step (OUT/timeline_NAME.png)")
     return p.parse_args(argv)
@@ -57,19 +52,22 @@ def tag_dict(advice: TagAdvice) -> dict:
             "accessed_by": list(advice.accessed_by), "prefetch": advice.prefetch}
 
 
-def ablations(budget: str | None) -> list[tuple[str, dict, str, bool]]:
-    """(name, policy dict, description, needs the scheduler) for each generated policy."""
-    best = {tag: tag_dict(a) for tag, a in load_policy("best").tags.items() if a != TagAdvice()}
-    advice = {t: {**a, "prefetch": False} for t, a in best.items()}
-    prefetch = {t: {"prefetch": True} for t, a in best.items() if a["prefetch"]}
-    sched = {"budget": budget} if budget else {}
-    out = [("advice_only", {"tags": advice}, "best's hints, no prefetch", False),
-           ("prefetch_only", {"tags": prefetch}, "best's prefetches, no hints", False),
-           ("scheduler_off", {"tags": best}, "best, no scheduler.budget: nothing evicts", True),
-           ("scheduler_on", {"tags": best, "scheduler": sched}, f"best, scheduler.budget {budget}", True)]
-    out += [(f"evict_{path}", {"tags": best, "scheduler": {**sched, "eviction": path}}, f"best, {text}", True)
-            for path, text in EVICTION_PATHS.items()]
-    out += [(f"window_{size}", {"tags": best, "scheduler": {**sched, "schedule_window": size}},
+def ablations() -> list[tuple[str, dict, str, bool]]:
+    """(name, policy dict, description, needs a budget) for each generated policy."""
+    best = load_policy("best")
+    tags = {tag: tag_dict(a) for tag, a in best.tags.items() if a != TagAdvice()}
+    advice = {t: {**a, "prefetch": False} for t, a in tags.items()}
+    prefetch = {t: {"prefetch": True} for t, a in tags.items() if a["prefetch"]}
+    hard = {"evict_live": False}
+    offload = {**hard, "offload_activations": True}
+    host_state = {**tags, "optimizer_state": {"preferred_location": "cpu", "accessed_by": ["gpu"]}}
+    out = [("advice_only", {"tags": advice, "scheduler": offload}, "best's hints, no prefetch", False),
+           ("prefetch_only", {"tags": prefetch, "scheduler": offload}, "best's prefetches, no hints", False),
+           ("offload_off", {"tags": tags, "scheduler": hard}, "best's hard budget, activations not offloaded", True),
+           ("evict_reactive", {"tags": tags}, "best's hints, reactive budget: LRU chunks to the host, faults back", True),
+           ("evict_host_mapped", {"tags": host_state, "scheduler": offload},
+            "best, and optimizer state host-mapped (GPU writes it over the link)", True)]
+    out += [(f"window_{size}", {"tags": tags, "scheduler": {**offload, "schedule_window": size}},
              f"best, schedule_window {size}", True) for size in WINDOWS]
     return out
 
@@ -78,12 +76,11 @@ def plan(args, out: Path) -> list[Run]:
     common = workload_args(args) + ["--allocator", "um", "--profile"]
     common += ["--memory-limit", args.memory_limit] if args.memory_limit else []
 
-    def make(name: str, data: dict | None, source: str, description: str, skip: str | None = None,
-             budget: bool = True) -> Run:
+    def make(name: str, data: dict | None, source: str, description: str, skip: str | None = None) -> Run:
         """A run of policy `source` as is, or of `data` (plus --budget) written to OUT/policies/NAME.yaml."""
         policy = source
         if data is not None:
-            if args.budget and budget and not skip:
+            if args.budget and not skip:
                 data = {**data, "scheduler": {**data.get("scheduler", {}), "budget": args.budget}}
             path = out / "policies" / f"{name}.yaml"
             error = validation_error(data, str(path), name)
@@ -96,14 +93,8 @@ def plan(args, out: Path) -> list[Run]:
 
     runs = [make(name, raw_policy(f"{name}.yaml") if args.budget else None, f"{name}.yaml", text)
             for name, text in SHIPPED]
-    for name, data, text, needs_scheduler in ablations(args.budget or args.memory_limit):
-        error = validation_error(data, name, name)
-        skip = None
-        if needs_scheduler and not args.include_scheduler:
-            skip = f"{NEEDS_SCHEDULER}; pass --include-scheduler to run it"
-        elif error:
-            skip = f"{NEEDS_SCHEDULER}: policy does not validate yet: {error}"
-        runs.append(make(name, data, name, text, skip, budget=name != "scheduler_off"))
+    for name, data, text, needs_budget in ablations():
+        runs.append(make(name, data, name, text, NEEDS_BUDGET if needs_budget and not args.budget else None))
     for file in args.policies:
         error = _file_error(file)
         data = raw_policy(file) if args.budget and not error else None
@@ -139,13 +130,16 @@ def report(rows: list[dict], out: Path, args) -> list[Path]:
     from um_alloc.profile import charts
 
     add_ratio(rows, "none", "ratio_vs_none")
-    columns = [*RUN_COLUMNS, ("ratio_vs_none", "vs none", "ratio"), *MEMORY_COLUMNS, *counter_columns()]
+    columns = [*RUN_COLUMNS, ("ratio_vs_none", "vs none", "ratio"), *MEMORY_COLUMNS, *OFFLOAD_COLUMNS,
+               *counter_columns()]
     notes = [f"Workload: BERT-{args.model} MLM, batch {args.batch_size}, seq {args.seq_len}, {args.steps} steps "
              f"({args.warmup_steps} warm-up), memory limit {args.memory_limit or 'none'}, scheduler.budget "
              f"{args.budget or 'none'}; one process per policy, CUPTI counters on in all.",
              "Counters are means per timed step. HtoD 'fault' is CUPTI's COHERENCE cause (page faults), "
              "'prefetch' its USER cause (cudaMemPrefetchAsync), 'speculative' the driver's own prefetch.",
              "GPU high-water: NVML used at the end minus at the start (the driver keeps pages it has used).",
+             "Offloaded: the last step's pinned copies of saved activations (policies with "
+             "scheduler.offload_activations under a budget); CUPTI's unified-memory counters do not see them.",
              *[f"{r['name']}: {r['note']}" for r in rows if r["note"]]]
     paths = write_all(rows, out, "policies", md_columns=columns, title="Memory-advise policies", notes=notes)
     drawn = [r for r in rows if r["status"] != "skipped"]

@@ -81,3 +81,29 @@ def test_a_step_unlike_the_first_offloads_everything():
 def test_bad_settings_say_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ActivationOffload(**{"device": "cpu", **kwargs})
+
+
+def test_from_policy_reads_budget_window_and_min_swap_size(monkeypatch):
+    import importlib
+
+    install_module = importlib.import_module("um_alloc.install")  # um_alloc.install is also the function
+    offload_module = importlib.import_module("um_alloc.offload")
+    from um_alloc.policy import policy_from_dict
+
+    assert offload_module.from_policy() is None  # nothing installed
+
+    def installed(scheduler):
+        policy = policy_from_dict({"scheduler": scheduler}, source="p.yaml", name="p")
+        monkeypatch.setattr(install_module, "_installation", install_module.Installation(
+            policy, 0, 2**40, device_total=64 * 2**30, device_free_at_install=0, device_used_at_install=0))
+
+    installed({"budget": 0.25, "evict_live": False, "offload_activations": True,
+               "schedule_window": "256MiB", "min_swap_size": "4MiB"})
+    made = offload_module.from_policy(device="cpu", peak_fn=lambda: 0)
+    assert (made.budget, made.window, made.min_bytes) == (16 * 2**30, 256 * 2**20, 4 * 2**20)
+    installed({"budget": "8GiB", "evict_live": False, "offload_activations": True})
+    assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0).window == offload_module.DEFAULT_WINDOW
+    installed({"budget": "8GiB", "evict_live": False})               # no offload asked
+    assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None
+    installed({"evict_live": False, "offload_activations": True})    # no budget: nothing to size it to
+    assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None

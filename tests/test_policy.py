@@ -39,7 +39,8 @@ def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
     from um_alloc.policy import host_mapped
 
     best, host = load_policy("best"), load_policy("host_optimizer")
-    assert host.scheduler.evict_live is False and best.scheduler.evict_live is True
+    assert host.scheduler.evict_live is False and best.scheduler.evict_live is False
+    assert best.scheduler.offload_activations and not host.scheduler.offload_activations
     assert [t for t in TAGS if host_mapped(host.tags[t])] == ["optimizer_state"]
     assert {t: host.tags[t] for t in TAGS if t != "optimizer_state"} == \
         {t: best.tags[t] for t in TAGS if t != "optimizer_state"}
@@ -331,3 +332,12 @@ def test_with_budget_overrides_and_checks_like_the_key():
         with_budget(base, 1.5, source="cli")
     with pytest.raises(PolicyError, match=r"cli: budget: an absolute budget must hold at least one chunk"):
         with_budget(base, 100, source="cli")
+
+
+def test_offload_activations_needs_a_hard_budget():
+    with pytest.raises(PolicyError, match=r"scheduler.offload_activations: needs a hard budget.*"
+                                          r"Add `evict_live: false` under scheduler"):
+        policy_from_dict({"scheduler": {"offload_activations": True}}, source="p.yaml", name="p")
+    policy = policy_from_dict({"scheduler": {"offload_activations": True, "evict_live": False}},
+                              source="p.yaml", name="p")
+    assert policy.scheduler.offload_activations and not policy.scheduler.evict_live

@@ -48,40 +48,39 @@ def fake_runner(times: dict):
 
 # --- compare_policies --------------------------------------------------------------------------
 
-def test_policy_plan_runs_the_default_set_and_lists_scheduler_ablations_as_skipped(tmp_path):
+def test_policy_plan_runs_the_default_set_and_lists_budget_ablations_as_skipped(tmp_path):
     args = compare_policies.parse_args(["--dry-run", "--memory-limit", "8GiB", "--out", str(tmp_path)])
     runs = compare_policies.plan(args, tmp_path)
     names = [r.name for r in runs]
     assert names[:5] == ["none", "worst", "best", "advice_only", "prefetch_only"]
-    assert {"scheduler_on", "scheduler_off", "evict_prefetch_to_host", "evict_copy_and_discard", "evict_reactive",
-            "window_256MiB", "window_1GiB", "window_4GiB"} <= set(names)
+    assert names[5:] == ["offload_off", "evict_reactive", "evict_host_mapped", "window_256MiB", "window_1GiB",
+                         "window_4GiB"]
     assert [r.name for r in runs if not r.skip] == names[:5]
-    assert all("needs the scheduler (issue 3)" in r.skip for r in runs[5:])
+    assert all(r.skip.startswith("needs --budget") for r in runs[5:])
     best = runs[2].train_args
     assert best[best.index("--policy") + 1] == "best.yaml" and "--profile" in best
     assert best[best.index("--memory-limit") + 1] == "8GiB" and best[best.index("--allocator") + 1] == "um"
     assert not (tmp_path / "policies").exists()  # a dry run writes nothing
 
 
-def test_scheduler_ablations_run_only_when_asked_and_valid(tmp_path):
-    args = compare_policies.parse_args(["--include-scheduler", "--memory-limit", "8GiB", "--out", str(tmp_path)])
+def test_budget_ablations_change_one_thing_each_and_every_policy_gets_the_budget(tmp_path):
+    args = compare_policies.parse_args(["--budget", "4GiB", "--out", str(tmp_path)])
     runs = {r.name: r for r in compare_policies.plan(args, tmp_path)}
-    for name in ("scheduler_on", "scheduler_off", "window_256MiB", "window_1GiB", "window_4GiB"):
-        assert runs[name].skip is None, runs[name].skip  # budget and schedule_window validate
-    assert "does not validate yet" in runs["evict_reactive"].skip and "eviction" in runs["evict_reactive"].skip
-    on = load_policy(tmp_path / "policies" / "scheduler_on.yaml")
-    off = load_policy(tmp_path / "policies" / "scheduler_off.yaml")
-    assert on.scheduler.budget == 8 * 2**30 and off.scheduler.budget is None
-
-
-def test_budget_goes_into_a_copy_of_every_policy_but_scheduler_off(tmp_path):
-    args = compare_policies.parse_args(["--budget", "4GiB", "--include-scheduler", "--out", str(tmp_path)])
-    runs = {r.name: r for r in compare_policies.plan(args, tmp_path)}
-    for name in ("none", "worst", "best", "advice_only", "scheduler_on", "window_1GiB"):
-        path = runs[name].train_args[runs[name].train_args.index("--policy") + 1]
-        assert load_policy(path).scheduler.budget == 4 * 2**30, name
-    assert load_policy(tmp_path / "policies" / "scheduler_off.yaml").scheduler.budget is None
-    assert load_policy(tmp_path / "policies" / "worst.yaml").tags["parameter"].preferred_location == "cpu"
+    assert not any(r.skip for r in runs.values())
+    policy = {name: load_policy(r.train_args[r.train_args.index("--policy") + 1]) for name, r in runs.items()}
+    assert all(p.scheduler.budget == 4 * 2**30 for p in policy.values())
+    best = load_policy("best")
+    assert policy["best"].scheduler.offload_activations and not policy["best"].scheduler.evict_live
+    assert not policy["offload_off"].scheduler.offload_activations and not policy["offload_off"].scheduler.evict_live
+    assert policy["evict_reactive"].scheduler.evict_live and not policy["evict_reactive"].scheduler.offload_activations
+    assert policy["evict_host_mapped"].tags["optimizer_state"].preferred_location == "cpu"
+    assert policy["evict_host_mapped"].scheduler.offload_activations
+    for size in ("256MiB", "1GiB", "4GiB"):
+        window = policy[f"window_{size}"]
+        assert window.scheduler.schedule_window == {"256MiB": 2**28, "1GiB": 2**30, "4GiB": 2**32}[size]
+        assert window.scheduler.offload_activations and dict(window.tags) == dict(best.tags)
+    assert dict(policy["offload_off"].tags) == dict(best.tags) == dict(policy["evict_reactive"].tags)
+    assert policy["worst"].tags["parameter"].preferred_location == "cpu"
     assert "--memory-limit" not in runs["best"].train_args
 
 
@@ -116,7 +115,7 @@ def test_policy_comparison_writes_table_and_charts(tmp_path):
     paths = compare_policies.report(rows, tmp_path, args)
     table = {r["name"]: r for r in csv.DictReader((tmp_path / "policies.csv").open())}
     assert float(table["best"]["ratio_vs_none"]) == pytest.approx(0.080 / 0.072)
-    assert table["worst"]["status"] == "oom" and table["scheduler_on"]["status"] == "skipped"
+    assert table["worst"]["status"] == "oom" and table["offload_off"]["status"] == "skipped"
     assert float(table["best"]["gpu_page_faults"]) == 72.0
     md = (tmp_path / "policies.md").read_text()
     assert "| run | status | median step | samples/s | vs none |" in md and "GPU faults /step" in md

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from bert_example import train
 from bert_example.train import CHECKPOINT, PREVIOUS, main
 
 TINY = ["--device", "cpu", "--allocator", "stock", "--model", "tiny", "--seq-len", "32", "--batch-size", "4"]
@@ -139,3 +140,23 @@ def test_cuda_without_a_gpu_says_so(capsys):
     with pytest.raises(SystemExit):
         main(["--allocator", "stock", "--model", "tiny", "--seq-len", "8", "--steps", "1"])
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--micro-batch", "4"], ["--offload", "save_on_cpu"], ["--checkpointing"]])
+def test_a_policy_that_offloads_activations_refuses_other_memory_savers(flags, capsys):
+    parser = train.build_parser()
+    args = parser.parse_args(["--policy", "best.yaml", *flags])
+    with pytest.raises(SystemExit):
+        train.check_policy(parser, args)
+    assert f"offloads activations (scheduler.offload_activations: true), which does not combine with {flags[0]}" \
+        in capsys.readouterr().err
+    train.check_policy(parser, parser.parse_args(["--policy", "host_optimizer.yaml", *flags]))  # no offload: fine
+
+
+def test_a_bad_policy_is_refused_before_cuda_work(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler: {offload_activations: true}\n")
+    parser = train.build_parser()
+    with pytest.raises(SystemExit):
+        train.check_policy(parser, parser.parse_args(["--policy", str(bad)]))
+    assert "scheduler.offload_activations: needs a hard budget" in capsys.readouterr().err

@@ -25,6 +25,9 @@ def describe(policy: Policy) -> str:
         budget_text = f"{budget:g} of device"
     else:
         budget_text = format_size(budget)
+    scheduler = policy.scheduler
+    budget_text += " (hard" + (", offload activations)" if scheduler.offload_activations else ")") \
+        if not scheduler.evict_live else " (reactive)"
     advice = [f"{tag}={_advice_text(a)}" for tag, a in policy.tags.items() if a != TagAdvice()]
     return (f"chunk {format_size(pool.chunk_size)}, arena {format_size(pool.arena_size)}, "
             f"max_reserved {cap}{' (oversubscribe)' if pool.oversubscribe else ''}, "

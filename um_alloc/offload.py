@@ -18,8 +18,10 @@ to pinned host memory and come back when backward unpacks them. Three things dif
   again: never a plan that passes the budget.
 - **Transfers overlap compute.** Copies out run on a side stream after an event, so forward never
   waits for them; the memory they read goes back to the pool ordered after the copy. In backward,
-  copies in run on another side stream, ``window`` bytes ahead of use in reverse save order, and
-  compute waits on an event only for the tensor it needs now.
+  copies in run on another side stream, ``window`` bytes ahead of use in reverse save order,
+  starting at backward's first unpack (while backward still works on what stayed), and compute
+  waits on an event only for the tensor it needs now. A copy back lands in memory taken on the
+  compute stream, so freeing and reusing it never makes compute wait for later copies.
 - **A late copy costs a wait, never wrong data**: unpack always waits for the tensor's own copy.
 
 Eligible: tensors on the device of at least ``min_bytes`` that are not leaves requiring grad
@@ -41,6 +43,7 @@ from .policy import size_arg
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+DEFAULT_WINDOW = 1 << 30  # also what schedule_window: auto means here
 
 
 @dataclass
@@ -83,7 +86,7 @@ class ActivationOffload:
         torch.cuda.max_memory_reserved).
     """
 
-    def __init__(self, budget: int | str | None = None, *, window: int | str = "1GiB",
+    def __init__(self, budget: int | str | None = None, *, window: int | str = DEFAULT_WINDOW,
                  min_bytes: int | str = MiB, margin: int | str = "512MiB", calibration_steps: int = 2,
                  device: torch.device | str | None = None, peak_fn=None):
         self.budget = None if budget is None else _size(budget, "budget")
@@ -189,12 +192,12 @@ class ActivationOffload:
         return packed
 
     def _unpack(self, packed):
+        self._copy_ahead()  # from backward's first unpack on, also while it uses what stayed
         if not isinstance(packed, _Packed):
             return packed
         if packed.gpu is None:  # not in flight: backward asked before the window reached it
             self.stats.on_demand += 1
             self._copy_in(packed)
-        self._copy_ahead()
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_event(packed.in_done)
         tensor = packed.gpu
@@ -235,12 +238,17 @@ class ActivationOffload:
 
     def _copy_in(self, packed: _Packed) -> None:
         if self._cuda:
+            # Taken on the compute stream, which frees it: the copy waits for compute to reach this
+            # point (the memory's last user), compute waits for the copy before using it, and after
+            # the free nothing but compute has touched it. Taken on the side stream instead, each
+            # reuse by compute would wait for every copy queued by then, draining the window.
+            compute = torch.cuda.current_stream(self.device)
+            gpu = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=self.device)
+            self._in_stream.wait_stream(compute)
+            self._in_stream.wait_event(packed.out_done)
             with torch.cuda.stream(self._in_stream):
-                self._in_stream.wait_event(packed.out_done)
-                gpu = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=self.device)
                 gpu.copy_(packed.host, non_blocking=True)
                 packed.in_done = self._in_stream.record_event()
-            gpu.record_stream(torch.cuda.current_stream(self.device))
         else:
             gpu = packed.host.clone()
         packed.gpu = gpu
@@ -256,6 +264,27 @@ class ActivationOffload:
                     return
                 self._copy_in(packed)
             self._cursor -= 1
+
+
+def from_policy(**overrides) -> ActivationOffload | None:
+    """An ActivationOffload for the installed policy, or None when it does not ask for one.
+
+    It asks with ``scheduler.offload_activations: true`` and a budget: the budget is the policy's
+    (resolved against the device), the window its ``schedule_window`` (auto: 1 GiB) and the
+    smallest tensor that moves its ``min_swap_size``. Keyword arguments override any of these.
+    """
+    from .install import installation, is_installed
+
+    if not is_installed():
+        return None
+    chosen = installation()
+    scheduler = chosen.policy.scheduler
+    budget = chosen.policy.budget_bytes(chosen.device_total)
+    if not scheduler.offload_activations or budget is None:
+        return None
+    settings = dict(budget=budget, window=scheduler.schedule_window or DEFAULT_WINDOW,
+                    min_bytes=scheduler.min_swap_size, device=torch.device("cuda", chosen.device))
+    return ActivationOffload(**{**settings, **overrides})
 
 
 def _size(value: int | str, what: str) -> int:

@@ -71,6 +71,8 @@ class SchedulerSettings:
     min_swap_size: int = 1 * MiB              # bytes; smaller allocations are never swapped
     evict_live: bool = True                   # over budget: evict live blocks (reactive) or only
                                               # free chunks, then out of memory (a hard budget)
+    offload_activations: bool = False         # saved tensors beyond the budget go to pinned host
+                                              # memory (um_alloc.offload); needs a hard budget
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     },
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
-        "evict_live": _bool,
+        "evict_live": _bool, "offload_activations": _bool,
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,
@@ -304,6 +306,12 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
             f"must hold at least one chunk ({pool.chunk_size} bytes)", received=pool.max_reserved)
     scheduler = _section(SchedulerSettings, top.get("scheduler"), at.child("scheduler"))
     _check_budget_holds_a_chunk(scheduler.budget, pool.chunk_size, at.child("scheduler.budget"))
+    if scheduler.offload_activations and scheduler.evict_live:
+        raise at.child("scheduler.offload_activations").error(
+            "needs a hard budget: with evict_live: true the pool would also evict the tensors the "
+            "offload keeps on the GPU, and the driver keeps the GPU memory of evicted pages anyway",
+            allowed="true together with evict_live: false, or false", received=True,
+            hint="Add `evict_live: false` under scheduler.")
     return Policy(name=name, source=source, pool=pool, scheduler=scheduler,
                   tags=_tags(top.get("tags"), at.child("tags")))
 

@@ -24,7 +24,10 @@ def main(allocator: str, policy: str, steps: int, max_reserved: str | None, budg
             import yaml
 
             settings = yaml.safe_load(um_alloc.policy.resolve_policy_path(policy).read_text()) or {}
-            settings.setdefault("scheduler", {})["budget"] = budget
+            scheduler = settings.setdefault("scheduler", {})
+            scheduler["budget"] = budget
+            if planned:  # the trace/plan/replay scheduler runs over the reactive budget
+                scheduler.update(evict_live=True, offload_activations=False)
             policy = settings
         um_alloc.install(policy, max_reserved=max_reserved)
     from transformers import BertConfig, BertForMaskedLM

@@ -103,8 +103,11 @@ class UMCounters:
             return
         cupti = self._cupti
         try:
+            # Flush while the kind is still enabled: records the driver has not handed over yet
+            # are lost once it is disabled. 1 = CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: partial buffers too.
+            cupti.activity_flush_all(1)
             cupti.activity_disable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
-            cupti.activity_flush_all(1)  # 1 = CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: partial buffers too
+            cupti.activity_flush_all(1)
         finally:
             self._stopped = True
             _active = None if _active is self else _active
