@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.1, metavar="P", help="BERT's dropout probabilities (default 0.1)")
     p.add_argument("--seed", type=int, default=0, help="model init, data and dropout seed (default 0)")
     p.add_argument("--no-bf16", action="store_true", help="train in float32 (bf16 autocast is CUDA-only anyway)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels only (torch.use_deterministic_algorithms), so runs can be compared "
+                        "loss for loss; slower")
     p.add_argument("--data", metavar="FILE", help="local text file (a WordPiece tokenizer is trained on it)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--allocator", choices=("um", "stock"), default="um", help="um_alloc or PyTorch's own")
@@ -163,6 +166,9 @@ def budget_value(text: str | None) -> int | float | str | None:
 def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limit: int | None) -> torch.device:
     """Installs um_alloc (before any CUDA work) or limits the stock allocator."""
     device = torch.device(args.device)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before CUDA work
+        torch.use_deterministic_algorithms(True)
     if device.type == "cpu":
         return device
     if args.allocator == "um":

@@ -160,3 +160,14 @@ def test_a_bad_policy_is_refused_before_cuda_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.check_policy(parser, parser.parse_args(["--policy", str(bad)]))
     assert "scheduler.offload_activations: needs a hard budget" in capsys.readouterr().err
+
+
+def test_deterministic_flag_turns_on_deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        plain = run("--steps", 2)
+        exact = run("--steps", 2, "--deterministic")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert exact["losses"] == plain["losses"]  # on the CPU the kernels were deterministic already
+    finally:
+        torch.use_deterministic_algorithms(before)
