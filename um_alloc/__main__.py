@@ -25,13 +25,18 @@ def describe(policy: Policy) -> str:
         budget_text = f"{budget:g} of device"
     else:
         budget_text = format_size(budget)
-    scheduler = policy.scheduler
-    budget_text += " (hard" + (", offload activations)" if scheduler.offload_activations else ")") \
-        if not scheduler.evict_live else " (reactive)"
+    budget_text += f" ({_budget_mode(policy.scheduler)})"
     advice = [f"{tag}={_advice_text(a)}" for tag, a in policy.tags.items() if a != TagAdvice()]
     return (f"chunk {format_size(pool.chunk_size)}, arena {format_size(pool.arena_size)}, "
             f"max_reserved {cap}{' (oversubscribe)' if pool.oversubscribe else ''}, "
             f"budget {budget_text}, advice: {', '.join(advice) or 'none'}")
+
+
+def _budget_mode(scheduler) -> str:
+    """What a budget does under this policy (shown even without one: it says what --budget would do)."""
+    if scheduler.evict_live:
+        return "reactive"
+    return "hard, offload activations" if scheduler.offload_activations else "hard"
 
 
 def _advice_text(advice: TagAdvice) -> str:
