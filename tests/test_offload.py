@@ -107,3 +107,16 @@ def test_from_policy_reads_budget_window_and_min_swap_size(monkeypatch):
     assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None
     installed({"evict_live": False, "offload_activations": True})    # no budget: nothing to size it to
     assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None
+
+
+def test_a_failed_step_lets_go_of_its_tensors_and_the_next_one_trains():
+    model, x = _model(), torch.randn(32, 16, dtype=torch.float64)
+    expected = _grads(model, x)
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    with pytest.raises(torch.OutOfMemoryError):
+        with offload.step():
+            model(x).pow(2).sum()
+            raise torch.OutOfMemoryError("as the allocator would raise it")
+    assert not offload._seen and not offload._offloaded and offload._steps == 0
+    got = _grads(model, x, offload)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected)) and offload._steps == 1

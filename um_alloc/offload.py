@@ -118,8 +118,15 @@ class ActivationOffload:
     def step(self) -> Iterator[OffloadStats]:
         """Forward and backward of one training step run inside."""
         self._reset_step()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self.stats
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self.stats
+        except BaseException:
+            # An out-of-memory error, say: let go of this step's tensors now, so that the caller
+            # can retry smaller; the step is not counted and the plan is not touched.
+            self._seen.clear()
+            self._offloaded = []
+            raise
         self._finish_step()
 
     def _reset_step(self) -> None:
