@@ -190,10 +190,7 @@ size_t ChunkPool::migrate(const void* ptr, bool to_gpu, Stream stream) {
   if (to_gpu) {
     const uint64_t now = ++tick_;
     for (size_t i = first; i < end; ++i) a->chunks[i].last_use = now;
-    ++stats_.prefetch_calls;
-    stats_.prefetch_bytes += b->size;
-    if (!backend_->prefetch_to_gpu(b->ptr, b->size, stream)) note_backend_failure();
-    for (size_t i = first; i < end; ++i) set_residency(a, i, Residency::gpu);
+    prefetch_chunks(a, first, end, stream);  // only the stretches not already there
   } else {
     evict_range(a, first, end, stream);
   }

@@ -69,10 +69,6 @@ bool ManagedBackend::prefetch_to_gpu(void* p, size_t n, Stream s) noexcept {
                "cudaMemPrefetchAsync");
 }
 
-}  // namespace um
-
-namespace um {
-
 bool ManagedBackend::prefetch_to_host(void* p, size_t n, Stream s) noexcept {
   return check(cudaMemPrefetchAsync(p, n, host(), 0, static_cast<cudaStream_t>(s)),
                "cudaMemPrefetchAsync(host)");

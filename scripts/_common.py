@@ -108,6 +108,13 @@ def row(run: Run, summary: dict | None, status: str, note: str = "") -> dict:
     return out
 
 
+def finish(rows: list[dict], table: Path, paths: list[Path]) -> int:
+    """Prints the markdown table and what was written; exit status 0 if any run succeeded."""
+    print(table.read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
 def add_ratio(rows: list[dict], baseline: str, key: str = "ratio") -> float | None:
     """samples/s of each row over the baseline row's (None where either is missing)."""
     base = next((r for r in rows if r["name"] == baseline and r.get("samples_per_s")), None)

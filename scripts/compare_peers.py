@@ -27,8 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import (MEMORY_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args, counter_columns, out_dir,
-                     print_plan, raw_policy, row, run_train, validation_error, workload_args, write_all, write_policy)
+from _common import (MEMORY_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args, counter_columns, finish,
+                     out_dir, print_plan, raw_policy, row, run_train, validation_error, workload_args, write_all,
+                     write_policy)
 
 SCRIPTS = Path(__file__).resolve().parent
 
@@ -146,9 +147,7 @@ def main(argv=None) -> int:
         return 0
     rows = execute(runs, args.rounds, args.timeout)
     paths = report(rows, out, args)
-    print((out / "peers.md").read_text())
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    return finish(rows, out / "peers.md", paths)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from _common import (MEMORY_COLUMNS, OFFLOAD_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args, counter_columns, out_dir,
-                     print_plan, raw_policy, row, run_train, validation_error, workload_args, write_all, write_policy)
+from _common import (MEMORY_COLUMNS, OFFLOAD_COLUMNS, RUN_COLUMNS, Run, add_ratio, add_workload_args,
+                     counter_columns, finish, out_dir, print_plan, raw_policy, row, run_train, validation_error,
+                     workload_args, write_all, write_policy)
 
 from um_alloc.policy import PolicyError, TagAdvice, load_policy  # noqa: E402
 
@@ -166,9 +167,7 @@ def main(argv=None) -> int:
         return 0
     rows = execute(runs, args.timeout)
     paths = report(rows, out, args)
-    print((out / "policies.md").read_text())
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    return finish(rows, out / "policies.md", paths)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 They act on the pool of the device um_alloc was installed for, from the next allocation on.
 With scheduler.evict_live (the default) the budget is kept reactively: least recently used chunks
 move to host memory when an allocation would pass it, and page faults bring them back when needed.
-With evict_live: false it is hard: only free chunks leave, then allocations fail as out of memory.
+With evict_live: false it is hard: it bounds the GPU memory the driver backs for the pool; nothing is
+evicted, wholly free arenas are returned, then allocations fail as out of memory.
 """
 from __future__ import annotations
 

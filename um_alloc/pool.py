@@ -160,7 +160,8 @@ class ChunkPool:
     def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True,
                    evict_live: bool = True) -> None:
         """GPU residency budget in bytes (0: none); allocations smaller than min_swap_size stay put.
-        evict_live=False makes it hard: only free chunks are evicted, then allocations fail (OOM)."""
+        evict_live=False makes it hard: a bound on GPU-backed chunks; nothing is evicted, wholly free
+        arenas are returned, then allocations fail (OOM)."""
         self._lib.um_pool_set_budget(self._handle, budget, min_swap_size, int(enabled), int(evict_live))
 
     def budget_enabled(self) -> bool:
