@@ -19,11 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import RESULTS, write_result
+from common import write_result
 
 HERE = Path(__file__).resolve().parent
 POLICIES = {"reactive": "none.yaml", "planned": "best.yaml", "offload": "best.yaml, evict_live: false",
-            "offload_hostopt": "host_optimizer.yaml", "offload_stock": "stock allocator"}
+            "offload_hostopt": "host_optimizer.yaml", "offload_moveall": "best.yaml, evict_live: false, rebuild off",
+            "offload_stock": "stock allocator"}
 
 
 def run(method: str, args) -> dict | None:
@@ -45,7 +46,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--methods", default="stock,save_on_cpu,checkpointing,reactive,planned,offload,offload_hostopt,"
-                                        "offload_stock")
+                                        "offload_moveall,offload_stock")
     p.add_argument("--window", default="1GiB", help="offload methods: bytes copied back ahead of backward")
     args = p.parse_args()
     results = {m: run(m, args) for m in args.methods.split(",")}
@@ -77,7 +78,8 @@ def transfer_bound(run: dict, stock: dict | None) -> dict | None:
     if stock is None or run.get("last_bytes_out") is None or run["method"] == "stock":
         return None
     compute = {phase: stock[f"{phase}_s_median"] for phase in ("forward", "backward", "optimizer")}
-    out = {"bytes_out": run["last_bytes_out"], "bytes_in": run["last_bytes_in"], "compute_only_s": compute,
+    out = {"bytes_out": run["last_bytes_out"], "bytes_in": run["last_bytes_in"],
+           "bytes_rebuilt": run.get("rebuilt_bytes", 0), "compute_only_s": compute,
            "measured_s": run["step_s_median"]}
     for label, rates in (("link", stock), ("allocator", run)):
         d2h, h2d = rates["link_d2h_GBps"] * 1e9, rates["link_h2d_GBps"] * 1e9
@@ -89,7 +91,8 @@ def transfer_bound(run: dict, stock: dict | None) -> dict | None:
 
 
 def _bound_line(b: dict) -> str:
-    return (f"{'':<15}moved {b['bytes_out'] / 2**30:.2f} GiB out, {b['bytes_in'] / 2**30:.2f} GiB in; bound "
+    return (f"{'':<15}moved {b['bytes_out'] / 2**30:.2f} GiB out, {b['bytes_in'] / 2**30:.2f} GiB in, rebuilt "
+            f"{b['bytes_rebuilt'] / 2**30:.2f} GiB; bound "
             f"{b['link']['bound_s']:.3f} s at the link's {b['link']['d2h_GBps']:.1f}/{b['link']['h2d_GBps']:.1f} GB/s "
             f"(efficiency {b['link']['efficiency']:.2f}), {b['allocator']['bound_s']:.3f} s at this run's "
             f"{b['allocator']['d2h_GBps']:.1f}/{b['allocator']['h2d_GBps']:.1f} GB/s "

@@ -4,8 +4,10 @@ Methods: stock (in memory, no budget), save_on_cpu and checkpointing (stock PyTo
 the budget by set_per_process_memory_fraction), reactive (um_alloc none.yaml + scheduler.budget:
 LRU eviction, faults bring data back), planned (um_alloc best.yaml + budget + the trace/plan/
 replay scheduler), offload (um_alloc best.yaml, the budget hard, + ActivationOffload sized to it),
-offload_hostopt (the same with host_optimizer.yaml: AdamW's moments in host memory) and
-offload_stock (ActivationOffload over stock PyTorch limited like save_on_cpu: what the pool adds).
+offload_hostopt (the same with host_optimizer.yaml: AdamW's moments in host memory),
+offload_moveall (offload with rebuild=False: every saved tensor moves, nothing is rebuilt in
+backward: what rebuilding adds) and offload_stock (ActivationOffload over stock PyTorch limited like
+save_on_cpu: what the pool adds).
 All use fused AdamW. Run by bench/bench_budget.py, one process per method.
 
 Besides throughput, each run reports the median time of its phases (forward, backward, optimizer
@@ -23,9 +25,10 @@ import statistics
 import time
 
 METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "planned", "offload", "offload_hostopt",
-           "offload_stock")
-OFFLOAD = ("offload", "offload_hostopt", "offload_stock")  # methods driven by ActivationOffload
-HARD = {"offload": "best.yaml", "offload_hostopt": "host_optimizer.yaml"}  # policies under a hard budget
+           "offload_moveall", "offload_stock")
+OFFLOAD = ("offload", "offload_hostopt", "offload_moveall", "offload_stock")  # driven by ActivationOffload
+HARD = {"offload": "best.yaml", "offload_hostopt": "host_optimizer.yaml",  # policies under a hard budget
+        "offload_moveall": "best.yaml"}
 
 
 def parse_args():
@@ -172,7 +175,7 @@ def main():
     elif args.method in OFFLOAD:
         from um_alloc.offload import ActivationOffload
 
-        scheduler = ActivationOffload(budget, window=args.window)
+        scheduler = ActivationOffload(budget, window=args.window, rebuild=args.method != "offload_moveall")
     rates = link_rates(device)
     losses, times, phases = [], [], []
     data = batches(args, config.vocab_size)
@@ -201,7 +204,8 @@ def main():
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(0)
     if args.method in OFFLOAD:
         st = scheduler.stats
-        out.update(saved_bytes=st.saved_bytes, kept_bytes=st.kept_bytes, last_bytes_out=st.out_bytes,
+        out.update(saved_bytes=st.saved_bytes, kept_bytes=st.kept_bytes, rebuilt_bytes=st.rebuilt_bytes,
+                   last_bytes_out=st.out_bytes,
                    last_bytes_in=st.in_bytes, on_demand=st.on_demand, offload_all=st.offload_all)
     elif scheduler is not None and scheduler.plan is not None:
         last = scheduler.last

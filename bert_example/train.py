@@ -385,7 +385,8 @@ def print_summary(summary: dict, allocator: str) -> None:
     offload = summary.get("activation_offload")
     if offload:
         print(f"  activation offload (last step): saved {gib(offload['saved_bytes'])}, kept "
-              f"{gib(offload['kept_bytes'])} on the GPU, moved {gib(offload['out_bytes'])} each way")
+              f"{gib(offload['kept_bytes'])} on the GPU, rebuilt {gib(offload['rebuilt_bytes'])} in backward, "
+              f"moved {gib(offload['out_bytes'])} each way")
     if allocator == "um" and summary["peak_bytes"] is not None:
         import um_alloc
 

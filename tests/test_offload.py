@@ -120,3 +120,112 @@ def test_a_failed_step_lets_go_of_its_tensors_and_the_next_one_trains():
     assert not offload._seen and not offload._offloaded and offload._steps == 0
     got = _grads(model, x, offload)
     assert all(torch.equal(g, e) for g, e in zip(got, expected)) and offload._steps == 1
+
+
+class _Block(torch.nn.Module):
+    """LayerNorm -> linear -> GELU -> linear, plus a view and a cast of saved tensors."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        a = self.up(self.norm(x))          # LayerNorm saves x; up saves the LayerNorm's output
+        g = torch.nn.functional.gelu(a)    # saves a
+        y = torch.exp(a)                   # saves its output y
+        side = torch.sin(a.view(-1, 4, a.shape[-1] // 4).transpose(0, 1))  # saves a view of a
+        side2 = torch.sin(y.to(torch.float64))                                # saves a cast of y
+        return x + self.down(g) + side.transpose(0, 1).reshape(a.shape).mean() + side2.float().mean()
+
+
+def _block_grads(model, x, offload=None, seed=None):
+    if seed is not None:
+        torch.manual_seed(seed)
+    return _grads(model, x, offload)
+
+
+def test_what_backward_can_rebuild_does_not_move_and_gradients_stay_exact():
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(_Block(), _Block()), torch.randn(8, 16)
+    expected = _grads(model, x)
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    for step in range(4):
+        got = _grads(model, x, offload)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), f"step {step}"
+        stats = offload.stats
+        assert stats.in_bytes == stats.out_bytes == stats.saved_bytes - stats.rebuilt_bytes
+    # Per block: the LayerNorm's output, the GELU's output (8 x 16 and 8 x 64 float32), the view
+    # of a (8 x 64 float32) and the cast of y (8 x 64 float64).
+    assert offload.stats.rebuilt_bytes == 2 * (8 * 16 * 4 + 8 * 64 * 4 + 8 * 64 * 4 + 8 * 64 * 8)
+
+
+def test_a_recipe_that_does_not_rebuild_equal_keeps_moving(monkeypatch, caplog):
+    from um_alloc import rebuild
+
+    caplog.set_level("INFO", logger="um_alloc.offload")
+    monkeypatch.setattr(rebuild, "CHEAP_FUNCTIONS", {torch.nn.functional.dropout})  # random: never equal
+
+    class Dropped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            a = self.lin(x)
+            return self.lin(torch.nn.functional.dropout(torch.tanh(a), 0.5)) + a  # tanh saves its output
+
+    torch.manual_seed(0)
+    model, x = Dropped(), torch.randn(8, 16)
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    for step in range(4):
+        expected = _block_grads(model, x, seed=step)
+        got = _block_grads(model, x, offload, seed=step)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), f"step {step}"
+        assert offload.stats.rebuilt_bytes == 0 and offload.stats.out_bytes == offload.stats.saved_bytes
+    assert "does not rebuild equal; it will move" in caplog.text  # the dropout's output was tried
+
+
+def test_rebuild_off_moves_everything():
+    torch.manual_seed(0)
+    model, x = _Block(), torch.randn(8, 16)
+    offload = ActivationOffload(min_bytes=0, device="cpu", rebuild=False)
+    for _ in range(3):
+        _grads(model, x, offload)
+    assert offload.stats.rebuilt_bytes == 0 and offload.stats.out_bytes == offload.stats.saved_bytes > 0
+
+
+def test_a_step_unlike_the_first_rebuilds_nothing_and_stays_exact():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    for _ in range(3):
+        _grads(model, torch.randn(8, 16), offload)
+    assert offload.stats.rebuilt_bytes > 0
+    x = torch.randn(5, 16)  # other shapes: the verified recipes do not apply
+    expected = _grads(model, x)
+    got = _grads(model, x, offload)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert offload.stats.rebuilt_bytes == 0 and offload.stats.out_bytes == offload.stats.saved_bytes
+
+
+def test_a_parameter_changed_between_forward_and_backward_is_an_error_not_a_wrong_gradient():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 16)
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        with offload.step():
+            y = torch.sin(linear.weight.to(torch.float64).t())  # saves a view of a cast of the weight
+            with torch.no_grad():
+                linear.weight.add_(1.0)
+            y.sum().backward()
+
+
+def test_views_of_a_cast_of_a_view_are_not_rebuilt():
+    from um_alloc.rebuild import RootRecorder
+
+    recorder = RootRecorder(lambda tensor: None, "cpu")
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    assert recorder.recipe_for(weight.to(torch.float64).t()) is not None       # view of a cast of a root
+    assert recorder.recipe_for(weight.t().to(torch.float64).t()) is None       # the cast read a view
+    assert recorder.recipe_for(weight[:2].to(torch.float64)) is None           # a slice: not the root's storage

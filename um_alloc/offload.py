@@ -9,7 +9,7 @@ seeds/004_*), sized to a GPU budget.
         optimizer.step()
 
 Like ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, tensors autograd saves for backward go
-to pinned host memory and come back when backward unpacks them. Three things differ:
+to pinned host memory and come back when backward unpacks them. Four things differ:
 
 - **Only what does not fit moves.** The first step offloads every eligible tensor and measures the
   step's GPU peak with them gone. Later steps keep the *last* saved tensors (the first that
@@ -23,6 +23,10 @@ to pinned host memory and come back when backward unpacks them. Three things dif
   waits on an event only for the tensor it needs now. A copy back lands in memory taken on the
   compute stream, so freeing and reusing it never makes compute wait for later copies.
 - **A late copy costs a wait, never wrong data**: unpack always waits for the tensor's own copy.
+- **What backward can rebuild does not move** (``rebuild=True``, see um_alloc.rebuild): views and
+  casts of tensors saved anyway, and outputs of cheap functions (GELU, LayerNorm, ...) whose
+  inputs are saved anyway, are recomputed at unpack. The calibration steps move them *and*
+  rebuild them, and later steps rebuild only what came out equal, place by place in the step.
 
 Eligible: tensors on the device of at least ``min_bytes`` that are not leaves requiring grad
 (parameters stay where they are). A tensor saved several times in a step is copied once. On a CPU
@@ -39,6 +43,7 @@ from typing import Iterator
 import torch
 
 from .policy import size_arg
+from .rebuild import Recipe, RootRecorder, dense
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class _Packed:
     uses: int = 1                                   # unpacks still to come this step
     gpu: torch.Tensor | None = None                 # the copy back, once started
     in_done: torch.cuda.Event | None = None
+    check: tuple[int, Recipe] | None = None         # calibrating: (index, recipe) to compare at unpack
     nbytes: int = field(init=False)
 
     def __post_init__(self):
@@ -61,10 +67,17 @@ class _Packed:
 
 
 @dataclass
+class _Rebuilt:
+    """A saved tensor backward rebuilds from others (um_alloc.rebuild) instead of copying it back."""
+    recipe: Recipe
+
+
+@dataclass
 class OffloadStats:
     """What the last step did; bytes each way are the link traffic it caused."""
     saved_bytes: int = 0        # eligible saved tensors, counted once each
     kept_bytes: int = 0         # left on the GPU
+    rebuilt_bytes: int = 0      # rebuilt in backward from other saved tensors: never moved
     out_bytes: int = 0          # copied to host memory
     in_bytes: int = 0           # copied back
     on_demand: int = 0          # copies back that started only when backward asked (window too short)
@@ -84,11 +97,12 @@ class ActivationOffload:
     device: "cuda", "cuda:N" (default: the current CUDA device) or "cpu" (tests).
     peak_fn: the peak so far in bytes (default: um_alloc's GPU-backed peak when installed, else
         torch.cuda.max_memory_reserved).
+    rebuild: rebuild what backward can instead of moving it (default True; False moves all).
     """
 
     def __init__(self, budget: int | str | None = None, *, window: int | str = DEFAULT_WINDOW,
                  min_bytes: int | str = MiB, margin: int | str = "512MiB", calibration_steps: int = 2,
-                 device: torch.device | str | None = None, peak_fn=None):
+                 device: torch.device | str | None = None, peak_fn=None, rebuild: bool = True):
         self.budget = None if budget is None else _size(budget, "budget")
         self.window, self.min_bytes = _size(window, "window"), _size(min_bytes, "min_bytes")
         self.margin = _size(margin, "margin")
@@ -106,6 +120,8 @@ class ActivationOffload:
         elif peak_fn is None and self.budget is not None:
             raise ValueError("ActivationOffload: on the CPU a budget needs peak_fn")
         self._peak_fn = peak_fn or (_default_peak_fn(self.device) if self._cuda else None)
+        self._roots = RootRecorder(self._held_of, self.device.type) if rebuild else None
+        self._verified: dict[int, tuple | None] = {}  # save index -> recipe signature that rebuilt equal
         self._steps = 0
         self._first_sizes: list[int] | None = None   # eligible sizes in save order, first step
         self._keep_from: int | None = None           # index from which tensors stay (None: offload all)
@@ -119,13 +135,13 @@ class ActivationOffload:
         """Forward and backward of one training step run inside."""
         self._reset_step()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    (self._roots.mode() if self._roots else contextlib.nullcontext()):
                 yield self.stats
         except BaseException:
             # An out-of-memory error, say: let go of this step's tensors now, so that the caller
             # can retry smaller; the step is not counted and the plan is not touched.
-            self._seen.clear()
-            self._offloaded = []
+            self._let_go()
             raise
         self._finish_step()
 
@@ -146,8 +162,14 @@ class ActivationOffload:
             self._first_sizes = self._sizes
         elif not self._matches or len(self._sizes) != len(self._first_sizes):
             log.info("activation offload: saved tensors differ from the first step's; offloading all")
-        self._seen.clear()       # kept tensors and host copies are autograd's alone from here
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Kept tensors and host copies are autograd's alone from here."""
+        self._seen.clear()
         self._offloaded = []
+        if self._roots:
+            self._roots.clear()
 
     def _plan_if_calibrated(self) -> None:
         """After the calibration steps (and the optimizer steps between them), the plan."""
@@ -161,6 +183,7 @@ class ActivationOffload:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         room = self.budget - self._peak_fn() - self.margin
+        sizes = [0 if self._verified.get(i) else nbytes for i, nbytes in enumerate(sizes)]  # rebuilt
         keep_from, kept = len(sizes), 0
         while keep_from > 0 and kept + sizes[keep_from - 1] <= room:
             keep_from -= 1
@@ -183,6 +206,10 @@ class ActivationOffload:
             known = seen[1]
             if isinstance(known, _Packed):
                 known.uses += 1
+                if known.check:
+                    self._use_sources(known.check[1])
+            elif isinstance(known, _Rebuilt):
+                self._use_sources(known.recipe)
             return known
         nbytes = tensor.numel() * tensor.element_size()
         index = len(self._sizes)
@@ -190,18 +217,42 @@ class ActivationOffload:
         self.stats.saved_bytes += nbytes
         self._matches = self._matches and self._first_sizes is not None and \
             index < len(self._first_sizes) and self._first_sizes[index] == nbytes
+        entry = self._store(tensor, index, nbytes)
+        self._seen[key] = (weakref.ref(tensor), entry)
+        return entry
+
+    def _store(self, tensor: torch.Tensor, index: int, nbytes: int):
+        """Rebuilt at unpack, kept on the GPU, or copied out (and, calibrating, checked at unpack)."""
+        recipe = self._roots.recipe_for(tensor) if self._roots else None
+        calibrating = self._steps < self.calibration_steps
+        if self._matches and index in self._verified and self._steps >= self.calibration_steps:
+            if recipe is not None and self._verified[index] == _signature(recipe):
+                self._use_sources(recipe)
+                self.stats.rebuilt_bytes += nbytes
+                return _Rebuilt(recipe)
+            if self._verified[index]:  # the plan counted on rebuilding it: the step is not the first's
+                self._matches = False
         if self._keeps(index):
             self.stats.kept_bytes += nbytes
-            self._seen[key] = (weakref.ref(tensor), tensor)
-            return tensor
-        packed = self._copy_out(tensor)
-        self._seen[key] = (weakref.ref(tensor), packed)
-        return packed
+            entry = tensor
+        else:
+            entry = self._copy_out(tensor)
+            if calibrating and recipe is not None:
+                self._use_sources(recipe)
+                entry.check = (index, recipe)
+                return entry  # held this step, but not a root: later steps will not hold it
+        if self._roots:
+            self._roots.add_held(tensor, entry)
+        return entry
 
     def _unpack(self, packed):
         self._copy_ahead()  # from backward's first unpack on, also while it uses what stayed
+        if isinstance(packed, _Rebuilt):
+            return self._rebuild(packed.recipe)
         if not isinstance(packed, _Packed):
             return packed
+        if packed.check:
+            return self._check(packed)
         if packed.gpu is None:  # not in flight: backward asked before the window reached it
             self.stats.on_demand += 1
             self._copy_in(packed)
@@ -223,10 +274,74 @@ class ActivationOffload:
     def _keeps(self, index: int) -> bool:
         return self._keep_from is not None and self._matches and index >= self._keep_from
 
+    # -- rebuilding --
+
+    def _held_of(self, tensor: torch.Tensor):
+        """The entry of a tensor saved this step and held (kept or copied out), else None."""
+        seen = self._seen.get((id(tensor), tensor._version))
+        if seen is None or seen[0]() is not tensor:
+            return None
+        entry = seen[1]
+        held = not isinstance(entry, _Rebuilt) and not (isinstance(entry, _Packed) and entry.check)
+        return entry if held else None
+
+    def _use_sources(self, recipe: Recipe) -> None:
+        """Each rebuild reads its sources once: they stay until then."""
+        for entry in recipe.sources:
+            if isinstance(entry, _Packed):
+                entry.uses += 1
+
+    def _fetch(self, entry) -> torch.Tensor:
+        return self._unpack(entry) if isinstance(entry, _Packed) else entry
+
+    def _rebuild(self, recipe: Recipe) -> torch.Tensor:
+        return recipe.build(self._fetch, self.device.type)
+
+    def _check(self, packed: _Packed) -> torch.Tensor:
+        """Calibrating: rebuild instead of copying back, and compare with the host copy.
+
+        The recipe at this place in the step is trusted later only if every check gives the same
+        bits. Comparing chunk by chunk against the host copy needs no second full-size tensor on
+        the GPU, so the calibration steps' peak is the planned steps' peak.
+        """
+        index, recipe = packed.check
+        packed.uses -= 1
+        if packed.out_done is not None:  # the host copy is read from here on
+            torch.cuda.current_stream(self.device).wait_event(packed.out_done)
+        rebuilt = self._rebuild(recipe)
+        same = rebuilt.shape == packed.host.shape and rebuilt.dtype == packed.host.dtype and \
+            self._same_bits(rebuilt, packed)
+        signature = _signature(recipe) if same else None
+        if self._verified.get(index, signature) != signature:
+            signature = None  # the calibration steps disagree
+        self._verified[index] = signature
+        if same:
+            return rebuilt
+        log.info("activation offload: saved tensor %d %s does not rebuild equal; it will move",
+                 index, tuple(packed.host.shape))
+        return self._copy_back_now(packed)
+
+    def _same_bits(self, rebuilt: torch.Tensor, packed: _Packed, chunk: int = 64 * MiB) -> bool:
+        gpu, host = _bytes_of(rebuilt), _bytes_of(packed.host)
+        if gpu.numel() != host.numel():
+            return False
+        self.stats.in_bytes += host.numel()  # the comparison carries the bytes back
+        return all(torch.equal(gpu[at:at + chunk], host[at:at + chunk].to(self.device, non_blocking=True))
+                   for at in range(0, host.numel(), chunk))
+
+    def _copy_back_now(self, packed: _Packed) -> torch.Tensor:
+        tensor = torch.empty_strided(packed.host.shape, packed.host.stride(), dtype=packed.host.dtype,
+                                     device=self.device)
+        self.stats.in_bytes += packed.nbytes
+        return tensor.copy_(packed.host, non_blocking=True)
+
     # -- transfers --
 
     def _copy_out(self, tensor: torch.Tensor) -> _Packed:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._cuda)
+        # Dense tensors keep their layout (a flat copy), so views of the same storage can be
+        # rebuilt from the copy; others are copied contiguous.
+        stride = tensor.stride() if dense(tensor) else torch.empty(tensor.shape, device="meta").stride()
+        host = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, pin_memory=self._cuda)
         done = None
         if self._cuda:
             produced = torch.cuda.current_stream(self.device).record_event()
@@ -250,7 +365,8 @@ class ActivationOffload:
             # the free nothing but compute has touched it. Taken on the side stream instead, each
             # reuse by compute would wait for every copy queued by then, draining the window.
             compute = torch.cuda.current_stream(self.device)
-            gpu = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=self.device)
+            gpu = torch.empty_strided(packed.host.shape, packed.host.stride(), dtype=packed.host.dtype,
+                                      device=self.device)
             self._in_stream.wait_stream(compute)
             self._in_stream.wait_event(packed.out_done)
             with torch.cuda.stream(self._in_stream):
@@ -266,11 +382,23 @@ class ActivationOffload:
         """Starts copies back in reverse save order while the window has room."""
         while self._cursor >= 0:
             packed = self._offloaded[self._cursor]
-            if packed.gpu is None and packed.uses > 0:
+            if packed.gpu is None and packed.uses > 0 and not packed.check:  # checks rebuild
                 if self._inflight + packed.nbytes > self.window and self._inflight > 0:
                     return
                 self._copy_in(packed)
             self._cursor -= 1
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor's whole storage, as a flat uint8 tensor on the same device."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def _signature(recipe: Recipe) -> tuple:
+    """What a recipe does, without the tensors it reads: equal across steps that match."""
+    root = recipe.root
+    what = getattr(root, "func", None) or type(getattr(root, "source", None)).__name__
+    return (type(root).__name__, getattr(what, "__name__", what), recipe.cast, recipe.size, recipe.stride)
 
 
 def from_policy(**overrides) -> ActivationOffload | None:
