@@ -171,3 +171,19 @@ def test_deterministic_flag_turns_on_deterministic_algorithms():
         assert exact["losses"] == plain["losses"]  # on the CPU the kernels were deterministic already
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_the_summary_says_what_the_offload_kept_rebuilt_and_moved(capsys):
+    import dataclasses
+
+    from um_alloc.offload import OffloadStats
+
+    stats = OffloadStats(saved_bytes=19 * 2**30, kept_bytes=6 * 2**30, rebuilt_bytes=9 * 2**30,
+                         out_bytes=4 * 2**30, in_bytes=4 * 2**30)
+    summary = {"workload": "bert", "device": "gpu", "method": "um", "batch": 32, "micro_batch": None,
+               "first_step": 0, "steps": 8, "timed_steps": 5, "step_s_median": 0.31, "samples_per_s": 103.2,
+               "loss_first": 10.6, "loss_last": 9.1, "peak_bytes": None, "peak_reserved_bytes": None,
+               "activation_offload": dataclasses.asdict(stats)}
+    train.print_summary(summary, "stock")
+    assert ("saved 19.00 GiB, kept 6.00 GiB on the GPU, rebuilt 9.00 GiB in backward, moved 4.00 GiB each way"
+            in capsys.readouterr().out)
