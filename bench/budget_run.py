@@ -31,7 +31,7 @@ HARD = {"offload": "best.yaml", "offload_hostopt": "host_optimizer.yaml",  # pol
         "offload_moveall": "best.yaml"}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("method", choices=METHODS)
     p.add_argument("--budget", default="16GiB")
@@ -41,7 +41,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--window", default="1GiB", help="offload methods: bytes copied back ahead of backward")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def setup(args, budget: int):
@@ -136,6 +136,13 @@ def run_step(args, model, opt, ids, labels, scheduler):
     return loss, [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
 
 
+def make_offload(args, budget: int):
+    """The ActivationOffload an offload method runs with."""
+    from um_alloc.offload import ActivationOffload
+
+    return ActivationOffload(budget, window=args.window, rebuild=args.method != "offload_moveall")
+
+
 def link_rates(device, nbytes: int = 256 << 20, repeats: int = 4) -> dict:
     """GB/s of pinned-host copies each way, to and from memory of this run's allocator."""
     import torch
@@ -173,9 +180,7 @@ def main():
 
         scheduler = OutOfCoreScheduler(model, budget)
     elif args.method in OFFLOAD:
-        from um_alloc.offload import ActivationOffload
-
-        scheduler = ActivationOffload(budget, window=args.window, rebuild=args.method != "offload_moveall")
+        scheduler = make_offload(args, budget)
     rates = link_rates(device)
     losses, times, phases = [], [], []
     data = batches(args, config.vocab_size)

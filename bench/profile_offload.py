@@ -1,6 +1,6 @@
 """Where does an offload step's time go? torch.profiler over one BERT-Large b32 step after 6 warm-up steps.
 
-    cd bench && python profile_offload.py offload 16GiB OUTDIR    (METHOD: offload | offload_stock | stock)
+    cd bench && python profile_offload.py offload 16GiB OUTDIR    (METHOD: stock or one of budget_run.OFFLOAD)
 
 Prints a JSON summary (busy time and rate of kernels and copies each way, compute-stream gaps over
 1 ms) and writes the trace to OUTDIR/trace_METHOD.json.gz for chrome://tracing or Perfetto.
@@ -15,40 +15,18 @@ def main():
     os.makedirs(outdir, exist_ok=True)
     import torch
     import um_alloc
-    argv = [method if method != "offload_stock" else "save_on_cpu", "--budget", budget_s, "--batch", "32"]
-    sys.argv = ["x"] + argv
-    args = br.parse_args()
-    args.method = method
+    args = br.parse_args([method, "--budget", budget_s, "--batch", "32", "--window", os.environ.get("WINDOW", "1GiB")])
     budget = um_alloc.parse_size(budget_s, key="budget", source="cli")
-    if method == "offload_stock":
-        import torch as T
-        T.cuda.set_per_process_memory_fraction(budget / T.cuda.get_device_properties(0).total_memory)
-        device = T.device("cuda", 0)
-        args.method = "save_on_cpu"  # build(): plain model
-    else:
-        device = br.setup(args, budget)
+    device = br.setup(args, budget)
     model, opt, config = br.build(args, device)
-    args.method = method
-    from um_alloc.offload import ActivationOffload
-    off = ActivationOffload(budget, window=os.environ.get("WINDOW", "1GiB")) if method != "stock" else None
+    off = br.make_offload(args, budget) if method in br.OFFLOAD else None
     rates = br.link_rates(device)
     data = br.batches(args, config.vocab_size)
 
     def step(ids, labels):
-        ids, labels = ids.cuda(non_blocking=True), labels.cuda(non_blocking=True)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        ev[0].record()
-        ctx = off.step() if off else br._null()
-        with ctx:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=labels).loss
-            ev[1].record()
-            loss.backward()
-        ev[2].record()
-        opt.step(); opt.zero_grad(set_to_none=True)
-        ev[3].record()
+        loss, phases = br.run_step(args, model, opt, ids, labels, off)
         torch.cuda.synchronize()
-        return loss.item(), [ev[0].elapsed_time(ev[i]) / 1e3 for i in (1, 2, 3)]
+        return loss, phases
 
     times = []
     for i in range(6):

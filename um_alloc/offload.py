@@ -225,8 +225,8 @@ class ActivationOffload:
         """Rebuilt at unpack, kept on the GPU, or copied out (and, calibrating, checked at unpack)."""
         recipe = self._roots.recipe_for(tensor) if self._roots else None
         calibrating = self._steps < self.calibration_steps
-        if self._matches and index in self._verified and self._steps >= self.calibration_steps:
-            if recipe is not None and self._verified[index] == _signature(recipe):
+        if self._matches and index in self._verified and not calibrating:
+            if recipe is not None and self._verified[index] == recipe.signature():
                 self._use_sources(recipe)
                 self.stats.rebuilt_bytes += nbytes
                 return _Rebuilt(recipe)
@@ -311,7 +311,7 @@ class ActivationOffload:
         rebuilt = self._rebuild(recipe)
         same = rebuilt.shape == packed.host.shape and rebuilt.dtype == packed.host.dtype and \
             self._same_bits(rebuilt, packed)
-        signature = _signature(recipe) if same else None
+        signature = recipe.signature() if same else None
         if self._verified.get(index, signature) != signature:
             signature = None  # the calibration steps disagree
         self._verified[index] = signature
@@ -392,13 +392,6 @@ class ActivationOffload:
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor's whole storage, as a flat uint8 tensor on the same device."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-
-
-def _signature(recipe: Recipe) -> tuple:
-    """What a recipe does, without the tensors it reads: equal across steps that match."""
-    root = recipe.root
-    what = getattr(root, "func", None) or type(getattr(root, "source", None)).__name__
-    return (type(root).__name__, getattr(what, "__name__", what), recipe.cast, recipe.size, recipe.stride)
 
 
 def from_policy(**overrides) -> ActivationOffload | None:

@@ -93,6 +93,14 @@ class Recipe:
         values = [self.root.source] if isinstance(self.root, Held) else [*self.root.args, *self.root.kwargs.values()]
         return [v.entry for v in values if isinstance(v, Source)]
 
+    def signature(self) -> tuple:
+        """What it does, without the tensors it reads: equal across steps that match."""
+        if isinstance(self.root, Call):
+            what = ("call", self.root.func.__name__)
+        else:
+            what = ("held", type(self.root.source).__name__)
+        return (*what, self.cast, self.size, self.stride)
+
     def build(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
         """The tensor, bit for bit; `fetch` turns an entry into its tensor on the GPU."""
         if isinstance(self.root, Call):
