@@ -12,6 +12,7 @@
 namespace um {
 
 using Stream = void*;  // a cudaStream_t on the managed backend; opaque elsewhere
+using Event = void*;   // a cudaEvent_t on the managed backend; opaque elsewhere
 
 class MemoryBackend {
  public:
@@ -25,6 +26,12 @@ class MemoryBackend {
   // Makes work enqueued later on `waiter` start after the work already enqueued on `producer`,
   // without blocking the host. Returns false and sets error() on failure.
   virtual bool order_after(Stream waiter, Stream producer) noexcept = 0;
+  // The point `s` has reached: the work enqueued on it so far. nullptr on failure (error() says
+  // why). Held until release_event(); wait() makes another stream's later work start after it.
+  virtual Event record(Stream s) noexcept = 0;
+  virtual bool wait(Stream waiter, Event point) noexcept = 0;
+  virtual bool reached(Event point) noexcept = 0;  // the work before it is done (false if unsure)
+  virtual void release_event(Event point) noexcept = 0;
   // Moves the hints on [p, p+n) from `from` to `to`, calling only for what differs.
   virtual bool advise(void* p, size_t n, const Advice& from, const Advice& to) noexcept = 0;
   virtual bool prefetch_to_gpu(void* p, size_t n, Stream s) noexcept = 0;

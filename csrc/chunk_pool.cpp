@@ -27,11 +27,20 @@ size_t chunk_index(const Arena* a, const char* p, size_t chunk) {
 }  // namespace
 
 void StreamSet::add(Stream s) {
-  if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+  for (const StreamUse& use : uses)
+    if (use.stream == s) return;
+  uses.push_back(StreamUse{s});
 }
 
+// Per stream, what covers both: not knowing the point covers any point; else the later point.
 void StreamSet::merge(const StreamSet& other) {
-  for (Stream s : other.streams) add(s);
+  for (const StreamUse& theirs : other.uses) {
+    auto mine = std::find_if(uses.begin(), uses.end(), [&](const StreamUse& u) { return u.stream == theirs.stream; });
+    if (mine == uses.end())
+      uses.push_back(theirs);
+    else if (mine->freed && (!theirs.freed || theirs.seq > mine->seq))
+      *mine = theirs;
+  }
 }
 
 ChunkPool::ChunkPool(std::unique_ptr<MemoryBackend> backend, PoolConfig config)
@@ -108,7 +117,7 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError
 // A host-mapped tag's chunks live in host memory (the GPU reads and writes them over the link),
 // so they never count against the budget; every other run is made room for first.
 Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err) {
-  Block* b = find_run(rounded, tag);
+  Block* b = find_run(rounded, tag, stream);
   if (!b) b = grow(rounded);
   // Cached arenas may hold the cap while no free run fits: return them and try once more.
   if (!b && release_free_arenas() > 0) b = grow(rounded);
@@ -141,9 +150,9 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
 // already where the request wants them, so reuse neither pushes other chunks out nor makes the
 // driver back new GPU memory: on the GPU (resident; GPU-backed under a hard budget) for GPU
 // tags, never GPU-backed for host-mapped tags (a new arena if none is free, under a hard budget).
-Block* ChunkPool::find_run(size_t rounded, Tag tag) {
+Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream) {
   Block* best = find_fit(free_runs_, rounded);
-  if (!best || !budget_.budget || !budget_.enabled) return best;
+  if (!best || !budget_.budget || !budget_.enabled) return best ? idle_twin(best, stream) : nullptr;
   const bool for_host = host_mapped(tag), backing = hard_budget();
   auto suits = [&](const ChunkState& c) {
     if (for_host) return !c.gpu_backed;
@@ -157,7 +166,7 @@ Block* ChunkPool::find_run(size_t rounded, Tag tag) {
     const size_t end = first + rounded / config_.chunk_size;
     size_t i = first;
     while (i < end && suits(run->arena->chunks[i])) ++i;
-    if (i == end) return run;
+    if (i == end) return idle_twin(run, stream);
   }
   // Host data in GPU-backed chunks would hold budget it never uses: new address space instead.
   if (for_host && backing) {
@@ -207,14 +216,67 @@ void ChunkPool::split(Block* b, size_t size, FreeSet& set) {
   set.insert(rest);
 }
 
+// A run of the same size and placement as `run` that no side stream is still using, if `run` is
+// in use: the kernel that takes it then need not wait for, say, the copy of an offloaded
+// activation (PyTorch's caching allocator, too, reuses only blocks whose events are done). Only
+// same-size runs, so the choice never cuts a larger run: the budget's fragmentation is best fit's.
+Block* ChunkPool::idle_twin(Block* run, Stream stream) {
+  if (idle_for(run, stream)) return run;
+  constexpr int kLookahead = 16;
+  int looked = 0;
+  const ChunkRange at = chunk_range(run);
+  auto placed_alike = [&](const Block* twin) {  // each chunk as resident and as backed as run's
+    const ChunkRange t = chunk_range(twin);
+    for (size_t k = 0; k < at.end - at.first; ++k) {
+      const ChunkState &a = run->arena->chunks[at.first + k], &b = twin->arena->chunks[t.first + k];
+      if (a.residency != b.residency || a.gpu_backed != b.gpu_backed) return false;
+    }
+    return true;
+  };
+  for (auto it = std::next(free_runs_.find(run));
+       it != free_runs_.end() && (*it)->size == run->size && looked < kLookahead; ++it, ++looked)
+    if (placed_alike(*it) && idle_for(*it, stream)) return *it;
+  return run;
+}
+
+// Forgets the side streams known to be done with `b`; true if `stream` need wait for none of them.
+// The stream that took it last, and a side stream whose point is not known, are not waited for here.
+bool ChunkPool::idle_for(Block* b, Stream stream) {
+  auto& uses = b->streams.uses;
+  if (uses.size() < 2) return true;
+  auto done = [&](const StreamUse& use) { return use.freed && backend_->reached(use.freed.get()); };
+  uses.erase(std::remove_if(uses.begin() + 1, uses.end(), done), uses.end());
+  return std::none_of(uses.begin() + 1, uses.end(),
+                      [&](const StreamUse& use) { return use.freed && use.stream != stream; });
+}
+
 // Stream order: waits only where another stream may still use the memory.
 void ChunkPool::order_for_reuse(Block* b, Stream stream) {
-  for (Stream other : b->streams.streams) {
-    if (other == stream) continue;
+  for (const StreamUse& use : b->streams.uses) {
+    if (use.stream == stream) continue;
     ++stats_.stream_waits;
-    if (!backend_->order_after(stream, other)) note_backend_failure();
+    const bool ok = use.freed ? backend_->wait(stream, use.freed.get()) : backend_->order_after(stream, use.stream);
+    if (!ok) note_backend_failure();
   }
   b->streams.reset(stream);
+}
+
+// Records, for each stream record_stream added, the point it has reached as the block is freed.
+// The stream the block was taken on needs none: it reuses the block in its own order, and the
+// rare other taker orders after it at reuse.
+void ChunkPool::mark_freed(Block* b) {
+  auto& uses = b->streams.uses;
+  for (size_t i = 1; i < uses.size(); ++i) {
+    Event point = backend_->record(uses[i].stream);
+    if (!point) {  // stays unknown: reuse orders after all that stream's work, still correct
+      note_backend_failure();
+      continue;
+    }
+    MemoryBackend* backend = backend_.get();
+    uses[i].freed = std::shared_ptr<void>(point, [backend](void* e) { backend->release_event(e); });
+    uses[i].seq = ++mark_seq_;
+    ++stats_.free_events;
+  }
 }
 
 // ---- hints ------------------------------------------------------------------------------------
@@ -287,6 +349,7 @@ bool ChunkPool::deallocate(void* ptr) noexcept {
   live_.erase(it);
   count_live(b, -1);
   b->allocated = false;
+  mark_freed(b);
   if (b->container)
     release_small(b);
   else

@@ -7,7 +7,9 @@
 // only when no free run fits, and returned only by empty_cache() or to make room under the cap.
 //
 // Streams: a block freed by stream S is reused at once by S; another stream T first waits on S
-// through an event (never a host wait). record_stream adds streams the block must wait for.
+// through an event (never a host wait). record_stream adds streams the block must wait for; their
+// events are recorded when the block is freed (as PyTorch's caching allocator does), so a reuse
+// waits for the work that used the block, not for all the work those streams were given since.
 #pragma once
 #include <array>
 #include <map>
@@ -60,12 +62,21 @@ struct Arena {
   std::vector<ChunkState> chunks;
 };
 
-// The streams that may still touch a block; nearly always one.
+// A stream that may still touch a block. `freed`: the point that stream had reached when the
+// block was freed, so reuse waits for that point only, not for work the stream took on later;
+// null: not known, so reuse orders after everything enqueued on the stream by then.
+struct StreamUse {
+  Stream stream;
+  std::shared_ptr<void> freed;  // an Event, given back to the backend when no block holds it
+  uint64_t seq = 0;             // of `freed`: of two points on one stream, the later covers both
+};
+
+// The streams that may still touch a block; nearly always one, the stream it was taken on.
 struct StreamSet {
-  std::vector<Stream> streams;
+  std::vector<StreamUse> uses;
   void add(Stream s);
   void merge(const StreamSet& other);
-  void reset(Stream s) { streams.assign(1, s); }
+  void reset(Stream s) { uses.assign(1, StreamUse{s}); }
 };
 
 struct Block {
@@ -130,13 +141,16 @@ class ChunkPool {
   Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err);
   Block* grow(size_t rounded);
   Block* find_fit(FreeSet& set, size_t size);
-  Block* find_run(size_t rounded, Tag tag);
+  Block* find_run(size_t rounded, Tag tag, Stream stream);
+  Block* idle_twin(Block* run, Stream stream);
+  bool idle_for(Block* b, Stream stream);
   void split(Block* b, size_t size, FreeSet& set);
   Block* merge_into_free(Block* b, FreeSet& set);
   void release_chunk_run(Block* b);
   void release_small(Block* b);
   size_t release_free_arenas(const Arena* keep = nullptr);
   void order_for_reuse(Block* b, Stream stream);
+  void mark_freed(Block* b);
   void apply_tag(Block* run, Tag tag, Stream stream);
   void advise_chunks(Arena* a, size_t first, size_t end, const Advice& want);
   void prefetch_chunks(Arena* a, size_t first, size_t end, Stream stream);
@@ -177,6 +191,7 @@ class ChunkPool {
   std::string backend_error_;
   BudgetConfig budget_;
   uint64_t tick_ = 0;
+  uint64_t mark_seq_ = 0;  // numbers the points mark_freed records
 };
 
 }  // namespace um

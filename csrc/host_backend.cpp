@@ -14,6 +14,11 @@ void* HostBackend::reserve(size_t bytes) noexcept {
 void HostBackend::release(void* base, size_t bytes) noexcept { munmap(base, bytes); }
 
 bool HostBackend::order_after(Stream, Stream) noexcept { return true; }
+Event HostBackend::record(Stream) noexcept { return reinterpret_cast<Event>(++next_point_); }
+bool HostBackend::wait(Stream, Event) noexcept { return true; }
+// Never known to be reached: tests see the pool's path for work still running on the GPU.
+bool HostBackend::reached(Event) noexcept { return false; }
+void HostBackend::release_event(Event) noexcept {}
 bool HostBackend::advise(void*, size_t, const Advice&, const Advice&) noexcept { return true; }
 bool HostBackend::prefetch_to_gpu(void*, size_t, Stream) noexcept { return true; }
 bool HostBackend::prefetch_to_host(void*, size_t, Stream) noexcept { return true; }

@@ -25,17 +25,55 @@ void* ManagedBackend::reserve(size_t bytes) noexcept {
 void ManagedBackend::release(void* base, size_t) noexcept { check(cudaFree(base), "cudaFree"); }
 
 bool ManagedBackend::order_after(Stream waiter, Stream producer) noexcept {
-  cudaEvent_t e;
-  if (free_events_.empty()) {
-    if (!check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate")) return false;
-  } else {
-    e = free_events_.back();
-    free_events_.pop_back();
-  }
+  cudaEvent_t e = take_event();
+  if (!e) return false;
   bool ok = check(cudaEventRecord(e, static_cast<cudaStream_t>(producer)), "cudaEventRecord") &&
             check(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), e, 0), "cudaStreamWaitEvent");
   free_events_.push_back(e);
   return ok;
+}
+
+Event ManagedBackend::record(Stream s) noexcept {
+  cudaEvent_t e = take_event();
+  if (!e) return nullptr;
+  if (check(cudaEventRecord(e, static_cast<cudaStream_t>(s)), "cudaEventRecord")) return e;
+  free_events_.push_back(e);
+  return nullptr;
+}
+
+bool ManagedBackend::wait(Stream waiter, Event point) noexcept {
+  return check(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(point), 0),
+               "cudaStreamWaitEvent");
+}
+
+bool ManagedBackend::reached(Event point) noexcept {
+  const cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(point));
+  if (state == cudaErrorNotReady) {
+    cudaGetLastError();  // not an error: the work is still running
+    return false;
+  }
+  return check(state, "cudaEventQuery");
+}
+
+void ManagedBackend::release_event(Event point) noexcept {
+  free_events_.push_back(static_cast<cudaEvent_t>(point));
+}
+
+// Frees can come from any thread (autograd's run backward on their own), whose current device
+// may be another: an event must be created on the device whose streams record it.
+cudaEvent_t ManagedBackend::take_event() noexcept {
+  if (!free_events_.empty()) {
+    cudaEvent_t e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  int previous = -1;
+  cudaEvent_t e = nullptr;
+  if (!check(cudaGetDevice(&previous), "cudaGetDevice") || !check(cudaSetDevice(device_), "cudaSetDevice"))
+    return nullptr;
+  if (!check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate")) e = nullptr;
+  cudaSetDevice(previous);
+  return e;
 }
 
 bool ManagedBackend::call_advise(void* p, size_t n, cudaMemoryAdvise advice,

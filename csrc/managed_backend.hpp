@@ -17,6 +17,10 @@ class ManagedBackend final : public MemoryBackend {
   void* reserve(size_t bytes) noexcept override;
   void release(void* base, size_t bytes) noexcept override;
   bool order_after(Stream waiter, Stream producer) noexcept override;
+  Event record(Stream s) noexcept override;
+  bool wait(Stream waiter, Event point) noexcept override;
+  bool reached(Event point) noexcept override;
+  void release_event(Event point) noexcept override;
   bool advise(void* p, size_t n, const Advice& from, const Advice& to) noexcept override;
   bool prefetch_to_gpu(void* p, size_t n, Stream s) noexcept override;
   bool prefetch_to_host(void* p, size_t n, Stream s) noexcept override;
@@ -25,6 +29,7 @@ class ManagedBackend final : public MemoryBackend {
  private:
   bool check(cudaError_t err, const char* what) noexcept;
   bool call_advise(void* p, size_t n, cudaMemoryAdvise advice, cudaMemLocation where) noexcept;
+  cudaEvent_t take_event() noexcept;  // from free_events_, or a new one on device_
   cudaMemLocation gpu() const { return {cudaMemLocationTypeDevice, device_}; }
   static cudaMemLocation host() { return {cudaMemLocationTypeHost, 0}; }
 

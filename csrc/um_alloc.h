@@ -44,6 +44,7 @@ typedef struct {
   uint64_t fragmentation_bytes, internal_waste_bytes, internal_waste_bound_bytes, free_chunk_bytes;
   uint64_t largest_free_run_bytes;
   uint64_t num_ooms, advise_calls, prefetch_calls, prefetch_bytes, stream_waits, backend_errors;
+  uint64_t free_events; /* events recorded at free on streams record_stream added */
   uint64_t arena_reserves, arena_releases; /* cudaMallocManaged / cudaFree calls (cudaFree syncs the device) */
   /* GPU residency as the pool believes it (chunks it placed or prefetched on the GPU and has not
    * evicted); faults can bring evicted data back unseen, so NVML's high-water mark is the check. */

@@ -61,6 +61,14 @@ def test_record_stream_keeps_reuse_after_the_side_stream(cuda_device):
     assert found["stream_waits"] >= 1
 
 
+def test_reuse_waits_only_for_side_work_enqueued_before_the_free(cuda_device):
+    found = check("reuse_waits_only_for_the_point_of_free")
+    assert found["reused_address"], "the test must exercise reuse of the freed block"
+    assert found["b_all_two"]  # the work before the free was waited for
+    assert found["main_done_before_later_side_work"]  # the work after it was not
+    assert found["free_events"] >= 1
+
+
 def test_empty_cache_returns_free_arenas(cuda_device):
     found = check("empty_cache_and_stats")
     assert found["live_before"] == 3 * 1024 * MiB and found["live_after"] == 0

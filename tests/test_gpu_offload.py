@@ -26,14 +26,16 @@ def _train(steps, offload=None):
     return losses
 
 
+@pytest.mark.parametrize("staging", [False, True])  # copies direct, or through device stages
 @pytest.mark.parametrize("room_mib", [0, 8])  # offload everything; keep the last 8 MiB
-def test_losses_equal_plain_autograd(cuda_device, room_mib):
-    from um_alloc.offload import ActivationOffload
+def test_losses_equal_plain_autograd(cuda_device, room_mib, staging):
+    from um_alloc.offload import STAGE_BYTES, ActivationOffload
 
     expected = _train(5)
     budget = 1 << 40
+    staged = 2 * STAGE_BYTES if staging else 0  # the plan keeps the stages' bytes free
     offload = ActivationOffload(budget, margin=0, window="4MiB",  # a short window: on-demand copies too
-                                peak_fn=lambda: budget - (room_mib << 20))
+                                peak_fn=lambda: budget - (room_mib << 20) - staged, staging=staging)
     got = _train(5, offload)
     assert got == pytest.approx(expected, rel=1e-6)
     stats = offload.stats
@@ -43,3 +45,21 @@ def test_losses_equal_plain_autograd(cuda_device, room_mib):
     assert stats.kept_bytes == (0 if room_mib == 0 else stats.saved_bytes - stats.out_bytes - stats.rebuilt_bytes)
     if room_mib:
         assert 0 < stats.kept_bytes <= room_mib << 20
+
+
+def test_a_stage_moves_every_byte_both_ways_in_slices(cuda_device):
+    from um_alloc.staging import DeviceStage
+
+    stage = DeviceStage(1 << 20, torch.device("cuda"))
+    n = (5 << 19) + 3  # 2.5 MiB and 3 bytes: two whole slices and a short one
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)).cuda()
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    back = torch.empty(n, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stage.to_host(data, host)
+        stage.from_host(host, back)
+    torch.cuda.synchronize()
+    assert torch.equal(host, data.cpu()) and torch.equal(back, data)
+    stage.close()

@@ -38,6 +38,66 @@ def test_gradients_equal_plain_autograd_while_offloading_and_keeping():
         assert offload.stats.in_bytes == offload.stats.out_bytes
 
 
+def test_backward_lets_go_of_kept_tensors_and_lends_their_bytes_to_the_copies_back(monkeypatch):
+    import weakref
+
+    from um_alloc import offload as offload_module
+
+    model, x = _model(), torch.randn(32, 16, dtype=torch.float64)
+    sizes = 32 * 16 * 8
+    offload = ActivationOffload(budget=100 * sizes, margin=0, min_bytes=0, window=0, device="cpu",
+                                peak_fn=lambda: 97 * sizes)  # keeps the last 3
+    for _ in range(2):
+        _grads(model, x, offload)
+    kept, most_in_flight = {}, [0]
+    pack, copy_in = offload._pack, offload._copy_in
+
+    def recording_pack(tensor):
+        entry = pack(tensor)
+        if isinstance(entry, offload_module._Kept):  # once per tensor, however often it is saved
+            kept[id(entry)] = weakref.ref(entry.tensor)
+        return entry
+
+    def recording_copy_in(packed):
+        copy_in(packed)
+        most_in_flight[0] = max(most_in_flight[0], offload._inflight)
+
+    monkeypatch.setattr(offload, "_pack", recording_pack)
+    monkeypatch.setattr(offload, "_copy_in", recording_copy_in)
+    alive_at_the_end = []  # when backward reaches the first layer
+    model[0][0].weight.register_hook(lambda g: alive_at_the_end.append(sum(r() is not None for r in kept.values())))
+    _grads(model, x, offload)
+    assert len(kept) == 3 and offload.stats.kept_bytes == 3 * sizes
+    assert alive_at_the_end == [0]  # freed after their last use, not held to the end of the step
+    # With a window of 0, one copy back at a time; the kept tensors' bytes make room for both
+    # offloaded ones (the input and the first Tanh's output) at once.
+    assert offload.stats.out_bytes == 2 * sizes and most_in_flight[0] == 2 * sizes
+
+
+def test_the_plan_keeps_the_last_tensors_then_spreads_the_rest_of_the_room():
+    from um_alloc.offload import choose_kept
+
+    assert choose_kept([1] * 10, room=5, tail=2) == {8, 9} | {2, 5, 7}  # 3 of the first 8, evenly
+    assert choose_kept([1] * 10, room=10, tail=2) == set(range(10))     # all fit
+    assert choose_kept([1] * 10, room=0, tail=2) == set()
+    assert choose_kept([4, 1, 1], room=3, tail=8) == {1, 2}             # the tail stops at the room
+    assert choose_kept([1, 1, 6], room=5, tail=1) == {0, 1}             # the last is too big to keep
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_never_keeps_more_than_the_room(seed):
+    import random
+
+    from um_alloc.offload import choose_kept
+
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, 2, 8, 64]) for _ in range(rng.randint(1, 60))]
+    room, tail = rng.randint(0, sum(sizes)), rng.randint(0, 80)
+    kept = choose_kept(sizes, room, tail)
+    assert sum(sizes[i] for i in kept) <= room
+    assert all(0 <= i < len(sizes) for i in kept)
+
+
 def test_parameters_are_never_offloaded_and_a_tensor_saved_twice_moves_once():
     weight = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
     x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
@@ -77,6 +137,7 @@ def test_a_step_unlike_the_first_offloads_everything():
     (dict(window=-1), "window must be bytes >= 0"),
     (dict(window="1 GB"), "window"),
     (dict(device="meta"), "device must be cuda, cuda:N or cpu"),
+    (dict(device="cpu", staging=True), "staging needs a CUDA device"),
 ])
 def test_bad_settings_say_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):

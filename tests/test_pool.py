@@ -51,6 +51,19 @@ def streams(backend):
     return keep[0].cuda_stream, keep[1].cuda_stream
 
 
+@pytest.fixture
+def keep_second_stream_busy(backend):
+    """Work on the second stream that outlasts the test's reuse (about a second on a GPU); on the
+    host backend nothing ever runs, so no point recorded on a stream is known to be reached."""
+    def busy():  # after the streams fixture made streams.keep
+        if backend == "managed":
+            import torch
+
+            with torch.cuda.stream(streams.keep[1]):
+                torch.cuda._sleep(2_000_000_000)
+    return busy
+
+
 def test_large_requests_take_whole_chunks(make_pool):
     pool = make_pool()
     p = pool.malloc(3 * MiB)
@@ -175,14 +188,58 @@ def test_reuse_on_another_stream_waits_on_an_event(make_pool, streams):
     assert pool.raw_stats()["stream_waits"] == 1
 
 
-def test_record_stream_makes_the_owner_wait(make_pool, streams):
+def test_record_stream_makes_the_owner_wait(make_pool, streams, keep_second_stream_busy):
     s1, s2 = streams
     pool = make_pool()
     p = pool.malloc(4 * MiB, stream=s1)
     pool.record_stream(p, s2)
+    keep_second_stream_busy()
     pool.free(p)
     assert pool.malloc(4 * MiB, stream=s1) == p
     assert pool.raw_stats()["stream_waits"] == 1
+
+
+def test_record_stream_marks_the_side_stream_at_free(make_pool, streams, keep_second_stream_busy):
+    s1, s2 = streams
+    pool = make_pool()
+    plain = pool.malloc(4 * MiB, stream=s1)
+    pool.free(plain)
+    assert pool.raw_stats()["free_events"] == 0  # one stream: reuse on it needs no point
+    shared = pool.malloc(4 * MiB, stream=s1)
+    pool.record_stream(shared, s2)
+    keep_second_stream_busy()
+    pool.free(shared)
+    assert pool.raw_stats()["free_events"] == 1
+    assert pool.malloc(4 * MiB, stream=s1) == shared
+    assert pool.raw_stats()["stream_waits"] == 1  # on that point
+
+
+def test_merged_free_runs_keep_every_side_streams_point(make_pool, streams, keep_second_stream_busy):
+    s1, s2 = streams
+    pool = make_pool(arena=8 * MiB)
+    left, right = pool.malloc(4 * MiB, stream=s1), pool.malloc(4 * MiB, stream=s1)
+    pool.record_stream(left, s2)
+    keep_second_stream_busy()
+    pool.free(left)
+    pool.free(right)  # merges with left: the whole run still waits for s2
+    assert pool.malloc(8 * MiB, stream=s1) == left
+    assert pool.raw_stats()["stream_waits"] == 1
+
+
+def test_a_run_a_side_stream_still_uses_gives_way_to_an_idle_one_of_its_size(make_pool, streams,
+                                                                            keep_second_stream_busy):
+    s1, s2 = streams
+    pool = make_pool(arena=12 * MiB)
+    busy, spacer, idle = (pool.malloc(4 * MiB, stream=s1) for _ in range(3))  # the whole arena
+    pool.record_stream(busy, s2)
+    keep_second_stream_busy()
+    pool.free(busy)  # the first of two equal fits, but s2 may still read it
+    pool.free(idle)
+    assert pool.malloc(4 * MiB, stream=s1) == idle
+    assert pool.raw_stats()["stream_waits"] == 0
+    assert pool.malloc(4 * MiB, stream=s1) == busy  # nothing else fits: it waits, on the GPU
+    assert pool.raw_stats()["stream_waits"] == 1
+    pool.free(spacer)
 
 
 def test_advice_is_applied_once_per_chunk_and_undone_for_other_tags(make_pool):

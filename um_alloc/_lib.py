@@ -39,6 +39,7 @@ TOTAL_FIELDS = (
     "fragmentation_bytes", "internal_waste_bytes", "internal_waste_bound_bytes", "free_chunk_bytes",
     "largest_free_run_bytes",
     "num_ooms", "advise_calls", "prefetch_calls", "prefetch_bytes", "stream_waits", "backend_errors",
+    "free_events",
     "arena_reserves", "arena_releases",
 )
 RESIDENCY_FIELDS = ("resident_free_bytes", "resident_bytes_total", "peak_resident_bytes", "budget_bytes",

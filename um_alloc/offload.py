@@ -44,11 +44,13 @@ import torch
 
 from .policy import size_arg
 from .rebuild import Recipe, RootRecorder, dense
+from .staging import DeviceStage, byte_view
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_WINDOW = 1 << 30  # also what schedule_window: auto means here
+STAGE_BYTES = 64 * MiB    # per direction, when copies go through a stage (um_alloc.staging)
 
 
 @dataclass
@@ -64,6 +66,15 @@ class _Packed:
 
     def __post_init__(self):
         self.nbytes = self.host.numel() * self.host.element_size()
+
+
+@dataclass
+class _Kept:
+    """A saved tensor left on the GPU. Once backward has used it for the last time, its bytes
+    lend the copies back room: the window grows by what backward let go of."""
+    tensor: torch.Tensor
+    nbytes: int
+    uses: int = 1
 
 
 @dataclass
@@ -98,11 +109,15 @@ class ActivationOffload:
     peak_fn: the peak so far in bytes (default: um_alloc's GPU-backed peak when installed, else
         torch.cuda.max_memory_reserved).
     rebuild: rebuild what backward can instead of moving it (default True; False moves all).
+    staging: copy through a stage of plain device memory (um_alloc.staging), so that kernels run
+        during the copies (default: when um_alloc is installed, whose memory is managed). The two
+        stages, 64 MiB each, are outside the pool: the plan keeps their bytes free of the budget.
     """
 
     def __init__(self, budget: int | str | None = None, *, window: int | str = DEFAULT_WINDOW,
                  min_bytes: int | str = MiB, margin: int | str = "512MiB", calibration_steps: int = 2,
-                 device: torch.device | str | None = None, peak_fn=None, rebuild: bool = True):
+                 device: torch.device | str | None = None, peak_fn=None, rebuild: bool = True,
+                 staging: bool | None = None):
         self.budget = None if budget is None else _size(budget, "budget")
         self.window, self.min_bytes = _size(window, "window"), _size(min_bytes, "min_bytes")
         self.margin = _size(margin, "margin")
@@ -114,9 +129,14 @@ class ActivationOffload:
         self.calibration_steps = calibration_steps
         self.device = _device(device)
         self._cuda = self.device.type == "cuda"
+        self._stages: tuple[DeviceStage, DeviceStage] | None = None  # (out, in)
         if self._cuda:
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
+            if _staging_default() if staging is None else staging:
+                self._stages = (DeviceStage(STAGE_BYTES, self.device), DeviceStage(STAGE_BYTES, self.device))
+        elif staging:
+            raise ValueError("ActivationOffload: staging needs a CUDA device")
         elif peak_fn is None and self.budget is not None:
             raise ValueError("ActivationOffload: on the CPU a budget needs peak_fn")
         self._peak_fn = peak_fn or (_default_peak_fn(self.device) if self._cuda else None)
@@ -124,7 +144,7 @@ class ActivationOffload:
         self._verified: dict[int, tuple | None] = {}  # save index -> recipe signature that rebuilt equal
         self._steps = 0
         self._first_sizes: list[int] | None = None   # eligible sizes in save order, first step
-        self._keep_from: int | None = None           # index from which tensors stay (None: offload all)
+        self._kept: frozenset[int] | None = None     # save indices that stay (None: offload all)
         self.stats = OffloadStats()
         self._reset_step()
 
@@ -153,8 +173,10 @@ class ActivationOffload:
         self._seen: dict[tuple, _Packed | torch.Tensor] = {}
         self._cursor = -1          # next offloaded tensor (from the end) to copy back
         self._inflight = 0         # bytes copied back and not yet used up
+        self._lent = 0             # bytes of kept tensors backward has used for the last time
+        self._in_backward = False
         self._matches = True       # this step's eligible sizes follow the first step's so far
-        self.stats = OffloadStats(offload_all=self._keep_from is None)
+        self.stats = OffloadStats(offload_all=self._kept is None)
 
     def _finish_step(self) -> None:
         self._steps += 1
@@ -173,25 +195,23 @@ class ActivationOffload:
 
     def _plan_if_calibrated(self) -> None:
         """After the calibration steps (and the optimizer steps between them), the plan."""
-        if self._keep_from is None and self._first_sizes is not None and self._steps >= self.calibration_steps:
-            self._keep_from = self._plan_keep(self._first_sizes)
+        if self._kept is None and self._first_sizes is not None and self._steps >= self.calibration_steps:
+            self._kept = self._plan_keep(self._first_sizes)
 
-    def _plan_keep(self, sizes: list[int]) -> int | None:
-        """Index from which saved tensors stay on the GPU: the tail that fits the room left."""
+    def _plan_keep(self, sizes: list[int]) -> frozenset[int] | None:
+        """The save indices whose tensors stay on the GPU: as many bytes as the room left allows."""
         if self.budget is None:
             return None
         if self._cuda:
             torch.cuda.synchronize(self.device)
-        room = self.budget - self._peak_fn() - self.margin
+        staged = sum(stage.nbytes for stage in self._stages) if self._stages else 0
+        room = self.budget - self._peak_fn() - self.margin - staged
         sizes = [0 if self._verified.get(i) else nbytes for i, nbytes in enumerate(sizes)]  # rebuilt
-        keep_from, kept = len(sizes), 0
-        while keep_from > 0 and kept + sizes[keep_from - 1] <= room:
-            keep_from -= 1
-            kept += sizes[keep_from]
+        kept = choose_kept(sizes, room, tail=self.window)
         log.info("activation offload: peak %.2f GiB with all %d saved tensors (%.2f GiB) offloaded; "
-                 "keeping the last %.2f GiB on the GPU", self._peak_fn() / 2**30, len(sizes),
-                 sum(sizes) / 2**30, kept / 2**30)
-        return keep_from
+                 "keeping %.2f GiB on the GPU", self._peak_fn() / 2**30, len(sizes), sum(sizes) / 2**30,
+                 sum(sizes[i] for i in kept) / 2**30)
+        return kept
 
     # -- the hooks --
 
@@ -204,9 +224,9 @@ class ActivationOffload:
         seen = self._seen.get(key)
         if seen is not None and seen[0]() is tensor:
             known = seen[1]
-            if isinstance(known, _Packed):
+            if isinstance(known, (_Packed, _Kept)):
                 known.uses += 1
-                if known.check:
+                if isinstance(known, _Packed) and known.check:
                     self._use_sources(known.check[1])
             elif isinstance(known, _Rebuilt):
                 self._use_sources(known.recipe)
@@ -234,7 +254,7 @@ class ActivationOffload:
                 self._matches = False
         if self._keeps(index):
             self.stats.kept_bytes += nbytes
-            entry = tensor
+            entry = _Kept(tensor, nbytes)
         else:
             entry = self._copy_out(tensor)
             if calibrating and recipe is not None:
@@ -246,9 +266,13 @@ class ActivationOffload:
         return entry
 
     def _unpack(self, packed):
+        if not self._in_backward:
+            self._start_backward()
         self._copy_ahead()  # from backward's first unpack on, also while it uses what stayed
         if isinstance(packed, _Rebuilt):
             return self._rebuild(packed.recipe)
+        if isinstance(packed, _Kept):
+            return self._use_kept(packed)
         if not isinstance(packed, _Packed):
             return packed
         if packed.check:
@@ -265,6 +289,20 @@ class ActivationOffload:
             self._inflight -= packed.nbytes
         return tensor
 
+    def _start_backward(self) -> None:
+        """Forward's bookkeeping holds kept tensors; from here only autograd does, so backward
+        frees each one after its last use, as it would without the offload."""
+        self._in_backward = True
+        self._seen.clear()
+        if self._roots:
+            self._roots.clear()
+
+    def _use_kept(self, kept: _Kept) -> torch.Tensor:
+        kept.uses -= 1
+        if kept.uses == 0:
+            self._lent += kept.nbytes
+        return kept.tensor
+
     def _eligible(self, tensor: torch.Tensor) -> bool:
         base = tensor._base if tensor._base is not None else tensor  # linear saves weight.t()
         is_parameter = base.is_leaf and base.requires_grad
@@ -272,7 +310,7 @@ class ActivationOffload:
                 and not is_parameter)
 
     def _keeps(self, index: int) -> bool:
-        return self._keep_from is not None and self._matches and index >= self._keep_from
+        return self._kept is not None and self._matches and index in self._kept
 
     # -- rebuilding --
 
@@ -288,11 +326,11 @@ class ActivationOffload:
     def _use_sources(self, recipe: Recipe) -> None:
         """Each rebuild reads its sources once: they stay until then."""
         for entry in recipe.sources:
-            if isinstance(entry, _Packed):
+            if isinstance(entry, (_Packed, _Kept)):
                 entry.uses += 1
 
     def _fetch(self, entry) -> torch.Tensor:
-        return self._unpack(entry) if isinstance(entry, _Packed) else entry
+        return self._unpack(entry) if isinstance(entry, (_Packed, _Kept)) else entry
 
     def _rebuild(self, recipe: Recipe) -> torch.Tensor:
         return recipe.build(self._fetch, self.device.type)
@@ -347,7 +385,10 @@ class ActivationOffload:
             produced = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self._out_stream):
                 self._out_stream.wait_event(produced)
-                host.copy_(tensor, non_blocking=True)
+                if self._stages and dense(tensor):  # same strides: the same bytes in the same order
+                    self._stages[0].to_host(byte_view(tensor), byte_view(host))
+                else:
+                    host.copy_(tensor, non_blocking=True)
                 done = self._out_stream.record_event()
             tensor.record_stream(self._out_stream)  # its memory is reused only after the copy
         else:
@@ -370,7 +411,10 @@ class ActivationOffload:
             self._in_stream.wait_stream(compute)
             self._in_stream.wait_event(packed.out_done)
             with torch.cuda.stream(self._in_stream):
-                gpu.copy_(packed.host, non_blocking=True)
+                if self._stages:
+                    self._stages[1].from_host(byte_view(packed.host), byte_view(gpu))
+                else:
+                    gpu.copy_(packed.host, non_blocking=True)
                 packed.in_done = self._in_stream.record_event()
         else:
             gpu = packed.host.clone()
@@ -379,14 +423,48 @@ class ActivationOffload:
         self.stats.in_bytes += packed.nbytes
 
     def _copy_ahead(self) -> None:
-        """Starts copies back in reverse save order while the window has room."""
+        """Starts copies back in reverse save order while the window has room: `window` bytes,
+        and the bytes of kept tensors backward is done with, as the step's peak counted them."""
         while self._cursor >= 0:
             packed = self._offloaded[self._cursor]
             if packed.gpu is None and packed.uses > 0 and not packed.check:  # checks rebuild
-                if self._inflight + packed.nbytes > self.window and self._inflight > 0:
+                if self._inflight + packed.nbytes > self.window + self._lent and self._inflight > 0:
                     return
                 self._copy_in(packed)
             self._cursor -= 1
+
+
+def choose_kept(sizes: list[int], room: int, tail: int) -> frozenset[int]:
+    """Which saved tensors (by save index; `sizes` in save order) stay on the GPU: at most `room`
+    bytes. First the last ones, until `tail` bytes: backward needs them first, and no compute is
+    left around them to hide their copies. Then the rest of the room spread evenly over the earlier
+    ones, so that copies out run through all of forward and copies back through all of backward,
+    under compute, rather than in one stretch beside little of it."""
+    kept, used, i = set(), 0, len(sizes)
+    while i > 0 and used < tail and used + sizes[i - 1] <= room:
+        i -= 1
+        kept.add(i)
+        used += sizes[i]
+    spare, body = room - used, sum(sizes[:i])
+    if body <= spare:
+        return frozenset(range(len(sizes)))
+    spare, seen, body_kept = max(spare, 0), 0, 0
+    for j in range(i):  # keep j when every prefix keeps at most its share, spare / body, of its bytes
+        seen += sizes[j]
+        if (body_kept + sizes[j]) * body <= spare * seen:
+            kept.add(j)
+            body_kept += sizes[j]
+    for j in reversed(range(i)):  # what a large tensor late in the body left unused: the latest that fit
+        if j not in kept and body_kept + sizes[j] <= spare:
+            kept.add(j)
+            body_kept += sizes[j]
+    return frozenset(kept)
+
+
+def _staging_default() -> bool:
+    from . import is_installed
+
+    return is_installed()  # its memory is managed: copies of it would stall kernels
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ _TOTALS = {
     "internal_waste_bound_bytes": "internal_waste_bound_bytes", "free_chunk_bytes": "free_chunk_bytes",
     "largest_free_run_bytes": "largest_free_run_bytes", "num_ooms": "num_ooms",
     "advise_calls": "advise_calls", "prefetch_calls": "prefetch_calls",
-    "prefetch_bytes": "prefetch_bytes", "stream_waits": "stream_waits",
+    "prefetch_bytes": "prefetch_bytes", "stream_waits": "stream_waits", "free_events": "free_events",
     "backend_errors": "backend_errors", "arena_reserves": "arena_reserves",
     "arena_releases": "arena_releases", "resident_bytes_total": "resident_bytes",
     "peak_resident_bytes": "peak_resident_bytes", "resident_free_bytes": "resident_free_bytes",

@@ -94,6 +94,33 @@ def check_record_stream():
             "stream_waits": um_alloc.memory_stats()["stream_waits"]}
 
 
+def check_reuse_waits_only_for_the_point_of_free():
+    """A reuse waits for the side stream's work up to the free, not for what it was given later."""
+    um_alloc.install("none.yaml")
+    n = 16 * MiB
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    a = torch.ones(n, device="cuda")
+    a_ptr = a.data_ptr()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # a racing reuse would overwrite a before b reads it
+        b = a * 2
+    a.record_stream(side)
+    del a
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(4_000_000_000)  # work given to the side stream after the free: ~2 s
+        later = side.record_event()
+    c = torch.zeros(n, device="cuda")  # reuses a's memory on the main stream
+    reused = c.data_ptr() == a_ptr
+    main.record_event().synchronize()
+    main_done_first = not later.query()
+    torch.cuda.synchronize()
+    return {"reused_address": reused, "b_all_two": bool((b == 2).all().item()),
+            "main_done_before_later_side_work": main_done_first,
+            "free_events": um_alloc.memory_stats()["free_events"]}
+
+
 def check_empty_cache_and_stats():
     um_alloc.install("none.yaml")
     x = torch.empty(3 * 1024 * MiB, dtype=torch.uint8, device="cuda")
