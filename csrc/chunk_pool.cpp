@@ -146,30 +146,43 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
   return b;
 }
 
-// Best fit; under a budget, among the next few fits the smallest whose first `rounded` bytes are
-// already where the request wants them, so reuse neither pushes other chunks out nor makes the
-// driver back new GPU memory: on the GPU (resident; GPU-backed under a hard budget) for GPU
-// tags, never GPU-backed for host-mapped tags (a new arena if none is free, under a hard budget).
+// Best fit, with two exceptions among the next few fits. Under a budget, only a run whose first
+// `rounded` bytes are already where the request wants them, so reuse neither pushes other chunks
+// out nor makes the driver back new GPU memory: on the GPU (resident; GPU-backed under a hard
+// budget) for GPU tags, never GPU-backed for host-mapped tags (a new arena if none is free, under
+// a hard budget). And a run a side stream (record_stream) may still be using gives way to an idle
+// one up to twice the request: the kernel that takes it then need not wait for, say, the copy of
+// an offloaded activation (PyTorch's caching allocator, too, reuses only blocks whose events are
+// done). Twice at most, so that waiting is preferred to cutting up large runs.
 Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream) {
   Block* best = find_fit(free_runs_, rounded);
-  if (!best || !budget_.budget || !budget_.enabled) return best ? idle_twin(best, stream) : nullptr;
+  if (!best) return nullptr;
+  const bool placed = budget_.budget && budget_.enabled;
   const bool for_host = host_mapped(tag), backing = hard_budget();
   auto suits = [&](const ChunkState& c) {
     if (for_host) return !c.gpu_backed;
     return backing ? c.gpu_backed : c.residency == Residency::gpu;
   };
-  constexpr int kLookahead = 64;  // bounds the hot path; free runs are few in steady state
-  int looked = 0;
-  for (auto it = free_runs_.find(best); it != free_runs_.end() && looked < kLookahead; ++it, ++looked) {
-    Block* run = *it;
+  auto in_place = [&](const Block* run) {
     const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
     const size_t end = first + rounded / config_.chunk_size;
     size_t i = first;
     while (i < end && suits(run->arena->chunks[i])) ++i;
-    if (i == end) return idle_twin(run, stream);
+    return i == end;
+  };
+  constexpr int kLookahead = 64;  // bounds the hot path; free runs are few in steady state
+  Block* busy = nullptr;          // the first in place, still in use on a side stream
+  int looked = 0;
+  for (auto it = free_runs_.find(best); it != free_runs_.end() && looked < kLookahead; ++it, ++looked) {
+    Block* run = *it;
+    if (busy && run->size > 2 * rounded) break;
+    if (placed && !in_place(run)) continue;
+    if (idle_for(run, stream)) return run;
+    if (!busy) busy = run;
   }
+  if (busy) return busy;  // its reuse waits on the GPU for the side stream, never on the host
   // Host data in GPU-backed chunks would hold budget it never uses: new address space instead.
-  if (for_host && backing) {
+  if (placed && for_host && backing) {
     if (Block* fresh = grow(rounded)) return fresh;
   }
   return best;
@@ -214,29 +227,6 @@ void ChunkPool::split(Block* b, size_t size, FreeSet& set) {
   b->next = rest;
   b->size = size;
   set.insert(rest);
-}
-
-// A run of the same size and placement as `run` that no side stream is still using, if `run` is
-// in use: the kernel that takes it then need not wait for, say, the copy of an offloaded
-// activation (PyTorch's caching allocator, too, reuses only blocks whose events are done). Only
-// same-size runs, so the choice never cuts a larger run: the budget's fragmentation is best fit's.
-Block* ChunkPool::idle_twin(Block* run, Stream stream) {
-  if (idle_for(run, stream)) return run;
-  constexpr int kLookahead = 16;
-  int looked = 0;
-  const ChunkRange at = chunk_range(run);
-  auto placed_alike = [&](const Block* twin) {  // each chunk as resident and as backed as run's
-    const ChunkRange t = chunk_range(twin);
-    for (size_t k = 0; k < at.end - at.first; ++k) {
-      const ChunkState &a = run->arena->chunks[at.first + k], &b = twin->arena->chunks[t.first + k];
-      if (a.residency != b.residency || a.gpu_backed != b.gpu_backed) return false;
-    }
-    return true;
-  };
-  for (auto it = std::next(free_runs_.find(run));
-       it != free_runs_.end() && (*it)->size == run->size && looked < kLookahead; ++it, ++looked)
-    if (placed_alike(*it) && idle_for(*it, stream)) return *it;
-  return run;
 }
 
 // Forgets the side streams known to be done with `b`; true if `stream` need wait for none of them.

@@ -142,7 +142,6 @@ class ChunkPool {
   Block* grow(size_t rounded);
   Block* find_fit(FreeSet& set, size_t size);
   Block* find_run(size_t rounded, Tag tag, Stream stream);
-  Block* idle_twin(Block* run, Stream stream);
   bool idle_for(Block* b, Stream stream);
   void split(Block* b, size_t size, FreeSet& set);
   Block* merge_into_free(Block* b, FreeSet& set);

@@ -33,7 +33,7 @@ def test_losses_equal_plain_autograd(cuda_device, room_mib, staging):
 
     expected = _train(5)
     budget = 1 << 40
-    staged = 2 * STAGE_BYTES if staging else 0  # the plan keeps the stages' bytes free
+    staged = STAGE_BYTES if staging else 0  # the plan keeps the stages' bytes free
     offload = ActivationOffload(budget, margin=0, window="4MiB",  # a short window: on-demand copies too
                                 peak_fn=lambda: budget - (room_mib << 20) - staged, staging=staging)
     got = _train(5, offload)
@@ -47,18 +47,21 @@ def test_losses_equal_plain_autograd(cuda_device, room_mib, staging):
         assert 0 < stats.kept_bytes <= room_mib << 20
 
 
-def test_a_stage_moves_every_byte_both_ways_in_slices(cuda_device):
+@pytest.mark.parametrize("slots, fill_stream", [(1, False), (3, True)])
+def test_a_stage_moves_every_byte_both_ways_in_slices(cuda_device, slots, fill_stream):
     from um_alloc.staging import DeviceStage
 
-    stage = DeviceStage(1 << 20, torch.device("cuda"))
-    n = (5 << 19) + 3  # 2.5 MiB and 3 bytes: two whole slices and a short one
+    stage = DeviceStage(1 << 20, torch.device("cuda"), slots=slots)
+    n = (9 << 19) + 3  # 4.5 MiB and 3 bytes: whole slices, a short one, every slot reused
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)).cuda()
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     back = torch.empty(n, dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
+    side, fill = torch.cuda.Stream(), torch.cuda.Stream() if fill_stream else None
     side.wait_stream(torch.cuda.current_stream())
+    if fill:
+        fill.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        stage.to_host(data, host)
+        stage.to_host(data, host, fill_stream=fill)
         stage.from_host(host, back)
     torch.cuda.synchronize()
     assert torch.equal(host, data.cpu()) and torch.equal(back, data)

@@ -242,6 +242,22 @@ def test_a_run_a_side_stream_still_uses_gives_way_to_an_idle_one_of_its_size(mak
     pool.free(spacer)
 
 
+@pytest.mark.parametrize("idle_mib, taken", [(8, "idle"), (12, "busy")])
+def test_a_busy_run_gives_way_to_an_idle_one_at_most_twice_the_request(make_pool, streams, keep_second_stream_busy,
+                                                                       idle_mib, taken):
+    s1, s2 = streams
+    pool = make_pool(arena=(12 + idle_mib) * MiB)
+    busy, _ = pool.malloc(4 * MiB, stream=s1), pool.malloc(4 * MiB, stream=s1)  # each with a live neighbour
+    idle, _ = pool.malloc(idle_mib * MiB, stream=s1), pool.malloc(4 * MiB, stream=s1)
+    pool.record_stream(busy, s2)
+    keep_second_stream_busy()
+    pool.free(busy)  # the best fit for 4 MiB, but s2 may still read it
+    pool.free(idle)
+    got = pool.malloc(4 * MiB, stream=s1)
+    assert got == {"idle": idle, "busy": busy}[taken]  # a larger idle run is cut only up to twice
+    assert pool.raw_stats()["stream_waits"] == (taken == "busy")
+
+
 def test_advice_is_applied_once_per_chunk_and_undone_for_other_tags(make_pool):
     from um_alloc.policy import TagAdvice
 

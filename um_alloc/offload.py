@@ -9,19 +9,22 @@ seeds/004_*), sized to a GPU budget.
         optimizer.step()
 
 Like ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, tensors autograd saves for backward go
-to pinned host memory and come back when backward unpacks them. Four things differ:
+to pinned host memory and come back when backward unpacks them. Five things differ:
 
-- **Only what does not fit moves.** The first step offloads every eligible tensor and measures the
-  step's GPU peak with them gone. Later steps keep the *last* saved tensors (the first that
-  backward needs) on the GPU, as many bytes as ``budget - peak - margin`` allows, and offload the
-  rest. A step whose saved tensors differ from the first step's (other shapes) offloads everything
-  again: never a plan that passes the budget.
-- **Transfers overlap compute.** Copies out run on a side stream after an event, so forward never
-  waits for them; the memory they read goes back to the pool ordered after the copy. In backward,
-  copies in run on another side stream, ``window`` bytes ahead of use in reverse save order,
-  starting at backward's first unpack (while backward still works on what stayed), and compute
-  waits on an event only for the tensor it needs now. A copy back lands in memory taken on the
-  compute stream, so freeing and reusing it never makes compute wait for later copies.
+- **Only what does not fit moves.** The first steps offload every eligible tensor and measure the
+  step's GPU peak with them gone. Later steps keep ``budget - peak - margin`` bytes of saved
+  tensors on the GPU (choose_kept): the last ones, up to a window's worth, since backward needs
+  them first, and the rest spread evenly over the earlier ones, so that copies out run through all
+  of forward and copies back through all of backward. A step whose saved tensors differ from the
+  first step's (other shapes) offloads everything again: never a plan that passes the budget.
+- **Transfers overlap compute.** Copies out run on side streams after an event, so forward never
+  waits for them; the memory they read goes back to the pool once read. In backward, copies in run
+  on another side stream, ``window`` bytes ahead of use in reverse save order, starting at
+  backward's first unpack, and compute waits on an event only for the tensor it needs now. A kept
+  tensor is let go of after backward's last use of it, and its bytes widen the window.
+- **Copies go through stages when the memory is managed** (um_alloc installed; um_alloc.staging):
+  the driver runs no kernel while the copy engine reads or writes managed memory, so each slice
+  goes through 128 MiB of plain device memory, and the copy engine touches only that and the host.
 - **A late copy costs a wait, never wrong data**: unpack always waits for the tensor's own copy.
 - **What backward can rebuild does not move** (``rebuild=True``, see um_alloc.rebuild): views and
   casts of tensors saved anyway, and outputs of cheap functions (GELU, LayerNorm, ...) whose
@@ -50,7 +53,10 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_WINDOW = 1 << 30  # also what schedule_window: auto means here
-STAGE_BYTES = 64 * MiB    # per direction, when copies go through a stage (um_alloc.staging)
+# When copies go through stages (um_alloc.staging): out, 4 slots of 16 MiB, filled on a stream of
+# their own so that the memory read is let go of ahead of the copies to the host; in, one of 64 MiB.
+STAGE_OUT, STAGE_IN = (16 * MiB, 4), (64 * MiB, 1)
+STAGE_BYTES = STAGE_OUT[0] * STAGE_OUT[1] + STAGE_IN[0] * STAGE_IN[1]
 
 
 @dataclass
@@ -109,9 +115,10 @@ class ActivationOffload:
     peak_fn: the peak so far in bytes (default: um_alloc's GPU-backed peak when installed, else
         torch.cuda.max_memory_reserved).
     rebuild: rebuild what backward can instead of moving it (default True; False moves all).
-    staging: copy through a stage of plain device memory (um_alloc.staging), so that kernels run
-        during the copies (default: when um_alloc is installed, whose memory is managed). The two
-        stages, 64 MiB each, are outside the pool: the plan keeps their bytes free of the budget.
+    staging: copy through stages of plain device memory (um_alloc.staging), so that kernels run
+        during the copies (default: when um_alloc is installed, whose memory is managed). The
+        stages, STAGE_BYTES (128 MiB) together, are outside the pool: the plan keeps them free of
+        the budget.
     """
 
     def __init__(self, budget: int | str | None = None, *, window: int | str = DEFAULT_WINDOW,
@@ -134,7 +141,9 @@ class ActivationOffload:
             self._out_stream = torch.cuda.Stream(self.device)
             self._in_stream = torch.cuda.Stream(self.device)
             if _staging_default() if staging is None else staging:
-                self._stages = (DeviceStage(STAGE_BYTES, self.device), DeviceStage(STAGE_BYTES, self.device))
+                self._stages = (DeviceStage(STAGE_OUT[0], self.device, slots=STAGE_OUT[1]),
+                                DeviceStage(STAGE_IN[0], self.device, slots=STAGE_IN[1]))
+                self._fill_stream = torch.cuda.Stream(self.device)
         elif staging:
             raise ValueError("ActivationOffload: staging needs a CUDA device")
         elif peak_fn is None and self.budget is not None:
@@ -170,7 +179,7 @@ class ActivationOffload:
             self._plan_if_calibrated()
         self._sizes: list[int] = []
         self._offloaded: list[_Packed] = []
-        self._seen: dict[tuple, _Packed | torch.Tensor] = {}
+        self._seen: dict[tuple, tuple] = {}  # (id, version) -> (weakref to the tensor, its entry)
         self._cursor = -1          # next offloaded tensor (from the end) to copy back
         self._inflight = 0         # bytes copied back and not yet used up
         self._lent = 0             # bytes of kept tensors backward has used for the last time
@@ -383,14 +392,16 @@ class ActivationOffload:
         done = None
         if self._cuda:
             produced = torch.cuda.current_stream(self.device).record_event()
+            staged = self._stages is not None and dense(tensor)  # same strides: the same bytes, in order
+            reader = self._fill_stream if staged else self._out_stream
+            reader.wait_event(produced)
             with torch.cuda.stream(self._out_stream):
-                self._out_stream.wait_event(produced)
-                if self._stages and dense(tensor):  # same strides: the same bytes in the same order
-                    self._stages[0].to_host(byte_view(tensor), byte_view(host))
+                if staged:
+                    self._stages[0].to_host(byte_view(tensor), byte_view(host), fill_stream=reader)
                 else:
                     host.copy_(tensor, non_blocking=True)
                 done = self._out_stream.record_event()
-            tensor.record_stream(self._out_stream)  # its memory is reused only after the copy
+            tensor.record_stream(reader)  # its memory is reused only after the stream that reads it
         else:
             host.copy_(tensor)
         packed = _Packed(host, done)

@@ -73,20 +73,25 @@ def check_oom():
             "peak_reserved": stats["peak_reserved_bytes"]}
 
 
+def _read_on_a_busy_side_stream(n: int, cycles: int):
+    """A tensor of the main stream that a side stream reads after `cycles` of sleep (so that a
+    reuse racing ahead would overwrite it first), marked with record_stream and freed."""
+    side = torch.cuda.Stream()
+    a = torch.ones(n, device="cuda")
+    a_ptr = a.data_ptr()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        b = a * 2
+    a.record_stream(side)
+    return side, a_ptr, b
+
+
 def check_record_stream():
     """A block used on a side stream and freed on the main one is not reused too early."""
     um_alloc.install("none.yaml")
     n = 16 * MiB
-    main = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    a = torch.ones(n, device="cuda")
-    a_ptr = a.data_ptr()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # keep the side stream busy so a racing reuse would win
-        b = a * 2
-    a.record_stream(side)
-    del a
+    _, a_ptr, b = _read_on_a_busy_side_stream(n, 200_000_000)
     c = torch.zeros(n, device="cuda")  # reuses a's memory on the main stream
     reused = c.data_ptr() == a_ptr
     torch.cuda.synchronize()
@@ -98,22 +103,13 @@ def check_reuse_waits_only_for_the_point_of_free():
     """A reuse waits for the side stream's work up to the free, not for what it was given later."""
     um_alloc.install("none.yaml")
     n = 16 * MiB
-    main = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    a = torch.ones(n, device="cuda")
-    a_ptr = a.data_ptr()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # a racing reuse would overwrite a before b reads it
-        b = a * 2
-    a.record_stream(side)
-    del a
+    side, a_ptr, b = _read_on_a_busy_side_stream(n, 100_000_000)
     with torch.cuda.stream(side):
         torch.cuda._sleep(4_000_000_000)  # work given to the side stream after the free: ~2 s
         later = side.record_event()
     c = torch.zeros(n, device="cuda")  # reuses a's memory on the main stream
     reused = c.data_ptr() == a_ptr
-    main.record_event().synchronize()
+    torch.cuda.current_stream().record_event().synchronize()
     main_done_first = not later.query()
     torch.cuda.synchronize()
     return {"reused_address": reused, "b_all_two": bool((b == 2).all().item()),
