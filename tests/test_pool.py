@@ -561,3 +561,24 @@ def test_under_a_hard_budget_host_mapped_data_takes_new_address_space_over_backe
     assert (s["arena_reserves"], s["evictions"], s["backed_bytes"]) == (2, 0, 8 * MiB)
     assert pool.block_at(state).residency == "host"
     pool.malloc(8 * MiB)  # the GPU data still gets the backed arena, within the budget
+
+
+def test_memory_summary_reports_the_pools_counts(monkeypatch):
+    import um_alloc.stats as stats_module
+    from um_alloc.pool import ChunkPool
+
+    pool = ChunkPool.host(CHUNK, 16 * MiB, 2**64 - 1)
+    p = pool.malloc(4 * MiB, stream=1)
+    pool.record_stream(p, 2)
+    pool.free(p)
+    assert pool.malloc(4 * MiB, stream=1) == p  # waits on the point s2 was at when p was freed
+    raw = pool.raw_stats()
+    public = {name: raw[core] for core, name in stats_module._TOTALS.items()}
+    public["tags"] = {t: {name: raw["tags"][t][core] for core, name in stats_module._PER_TAG.items()}
+                      for t in stats_module.TAGS}
+    public.update(device_highwater_bytes=None, policy="test")
+    monkeypatch.setattr(stats_module, "memory_stats", lambda device=None: public)
+    summary = stats_module.memory_summary()
+    assert "stream waits 1 (side-stream points recorded at free 1)" in summary
+    assert any(line.split()[:2] == ["activation", "4.0"] for line in summary.splitlines())  # 4.0 MiB live
+    pool.close()

@@ -81,7 +81,8 @@ def memory_summary(device: int | None = None) -> str:
         f"{format_size(s['internal_waste_bytes'])} (bound {format_size(s['internal_waste_bound_bytes'])}),"
         f" free chunks {format_size(s['free_chunk_bytes'])}",
         f" driver calls: advise {s['advise_calls']}, prefetch {s['prefetch_calls']} "
-        f"({format_size(s['prefetch_bytes'])}), stream waits {s['stream_waits']}, "
+        f"({format_size(s['prefetch_bytes'])}), stream waits {s['stream_waits']} "
+        f"(side-stream points recorded at free {s['free_events']}), "
         f"errors {s['backend_errors']}; OOMs {s['num_ooms']}; arenas reserved {s['arena_reserves']}, "
         f"released {s['arena_releases']}",
         f" GPU residency (pool's view) {format_size(s['resident_bytes'])}, peak "
