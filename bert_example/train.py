@@ -429,6 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
         import um_alloc
 
         um_alloc.tag_training(model, optimizer)
+        if um_alloc.installation().policy.scheduler.spill_min_size:  # large_batch.yaml, say
+            um_alloc.spill_from(model.cls)  # the MLM head and the loss: logits grow with the vocabulary
     first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
     del checkpoint
 
@@ -467,6 +469,7 @@ if __name__ == "__main__":
     try:
         main()
     except torch.OutOfMemoryError as error:
-        print(f"train.py: out of GPU memory: {error}\nhint: lower --batch-size, raise --memory-limit, "
-              "or stream micro-batches with --micro-batch auto", file=sys.stderr)
+        print(f"train.py: out of GPU memory: {error}\nhint: lower --batch-size, raise --memory-limit, stream "
+              "micro-batches with --micro-batch auto, or under a --budget try --policy large_batch.yaml",
+              file=sys.stderr)
         sys.exit(EXIT_OOM)

@@ -87,7 +87,7 @@ void um_pool_destroy(um_pool* pool) {
 }
 
 void* um_pool_malloc(um_pool* pool, size_t bytes, void* stream, int tag) {
-  if (!um::valid_tag(tag)) return invalid("tag " + std::to_string(tag) + " is not 0..5"), nullptr;
+  if (!um::valid_tag(tag)) return invalid(um::bad_tag_message(tag)), nullptr;
   um::AllocError err;
   void* p = pool->pool->allocate(bytes, stream, um::Tag(tag), &err);
   if (!p) um::set_last_error(err.kind, err.message);
@@ -103,12 +103,12 @@ int um_pool_record_stream(um_pool* pool, void* ptr, void* stream) {
 }
 
 int um_pool_retag(um_pool* pool, void* ptr, int tag, void* stream) {
-  if (!um::valid_tag(tag)) return invalid("tag " + std::to_string(tag) + " is not 0..5");
+  if (!um::valid_tag(tag)) return invalid(um::bad_tag_message(tag));
   return pool->pool->retag(ptr, um::Tag(tag), stream) ? 0 : invalid("retag of memory this pool does not hold");
 }
 
 size_t um_pool_retag_many(um_pool* pool, void* const* ptrs, size_t n, int tag, void* stream) {
-  if (!um::valid_tag(tag)) return invalid("tag " + std::to_string(tag) + " is not 0..5"), 0;
+  if (!um::valid_tag(tag)) return invalid(um::bad_tag_message(tag)), 0;
   return pool->pool->retag_many(const_cast<const void* const*>(ptrs), n, um::Tag(tag), stream);
 }
 
@@ -132,7 +132,7 @@ size_t um_pool_empty_cache(um_pool* pool) { return pool->pool->empty_cache(); }
 void um_pool_stats(um_pool* pool, um_stats* out) { *out = pool->pool->stats(); }
 
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy) {
-  if (!um::valid_tag(tag)) return invalid("tag " + std::to_string(tag) + " is not 0..5");
+  if (!um::valid_tag(tag)) return invalid(um::bad_tag_message(tag));
   pool->pool->set_tag_policy(um::Tag(tag), um::tag_policy_from(policy));
   return 0;
 }

@@ -17,6 +17,10 @@ std::array<std::atomic<ChunkPool*>, kMaxDevices> g_pools{};
 // Process-wide rather than per thread: autograd runs backward on its own threads, and a tag
 // scope opened by the training loop must cover the allocations made there too.
 std::atomic<int> g_current_tag{static_cast<int>(kDefaultTag)};
+// A scope for large allocations only (um_alloc.tag(name, min_size=...)): those of at least
+// g_large_min bytes get g_large_tag, smaller ones the current tag. 0: no such scope.
+std::atomic<int> g_large_tag{static_cast<int>(kDefaultTag)};
+std::atomic<size_t> g_large_min{0};
 
 bool is_power_of_two(size_t n) { return n && !(n & (n - 1)); }
 
@@ -58,6 +62,12 @@ ChunkPool* device_pool(int device) {
 
 Tag current_tag() { return Tag(g_current_tag.load(std::memory_order_relaxed)); }
 
+Tag tag_for(size_t bytes) {
+  const size_t large = g_large_min.load(std::memory_order_acquire);  // published after the tag
+  if (large && bytes >= large) return Tag(g_large_tag.load(std::memory_order_relaxed));
+  return current_tag();
+}
+
 }  // namespace um
 
 extern "C" {
@@ -82,7 +92,7 @@ int um_configure(size_t chunk_size, size_t arena_size, size_t max_reserved) {
 
 int um_set_default_tag_policy(int tag, um_tag_policy policy) {
   if (!um::valid_tag(tag)) {
-    um::set_last_error(UM_ERR_INVALID, "tag " + std::to_string(tag) + " is not 0..5");
+    um::set_last_error(UM_ERR_INVALID, um::bad_tag_message(tag));
     return -1;
   }
   std::lock_guard<std::mutex> lock(um::g_mu);
@@ -105,5 +115,20 @@ void um_set_current_tag(int tag) {
 }
 
 int um_current_tag(void) { return um::g_current_tag.load(std::memory_order_relaxed); }
+
+int um_set_large_tag(int tag, size_t min_bytes) {
+  if (!um::valid_tag(tag)) {
+    um::set_last_error(UM_ERR_INVALID, um::bad_tag_message(tag));
+    return -1;
+  }
+  um::g_large_min.store(0, std::memory_order_release);  // never the new size with the old tag
+  um::g_large_tag.store(tag, std::memory_order_relaxed);
+  um::g_large_min.store(min_bytes, std::memory_order_release);
+  return 0;
+}
+
+int um_large_tag(void) { return um::g_large_tag.load(std::memory_order_relaxed); }
+
+size_t um_large_tag_min(void) { return um::g_large_min.load(std::memory_order_acquire); }
 
 }  // extern "C"

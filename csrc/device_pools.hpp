@@ -11,6 +11,7 @@ constexpr int kMaxDevices = 64;
 ChunkPool* device_pool(int device);           // created on first use; nullptr + last error if not
 ChunkPool* existing_device_pool(int device);  // nullptr if that device has none yet
 Tag current_tag();
+Tag tag_for(size_t bytes);  // the current tag, or a large-allocation scope's tag
 
 std::string config_problem(const PoolConfig& config);  // empty when valid
 void set_last_error(int kind, const std::string& message);

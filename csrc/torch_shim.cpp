@@ -15,7 +15,7 @@ void* um_torch_malloc(size_t bytes, int device, void* stream) {
   um::ChunkPool* pool = um::device_pool(device);
   TORCH_CHECK(pool != nullptr, "um_alloc: ", um_last_error());
   um::AllocError err;
-  void* p = pool->allocate(bytes, stream, um::current_tag(), &err);
+  void* p = pool->allocate(bytes, stream, um::tag_for(bytes), &err);
   if (p) return p;
   TORCH_CHECK_WITH(OutOfMemoryError, err.kind != UM_ERR_OOM, err.message);
   TORCH_CHECK(false, "um_alloc: ", err.message);

@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define UM_NUM_TAGS 6
+#define UM_NUM_TAGS 7
 
 typedef struct um_pool um_pool; /* opaque */
 
@@ -93,6 +93,11 @@ int um_configure(size_t chunk_size, size_t arena_size, size_t max_reserved);
 int um_set_default_tag_policy(int tag, um_tag_policy policy);
 void um_set_current_tag(int tag);
 int um_current_tag(void);
+/* A scope for large allocations only: from here on, allocations of at least min_bytes get `tag`
+ * whatever the current tag is; min_bytes 0 ends it. um_large_tag_min() is 0 outside one. */
+int um_set_large_tag(int tag, size_t min_bytes);
+int um_large_tag(void);
+size_t um_large_tag_min(void);
 int um_num_tags(void);
 const char* um_tag_name(int tag);
 size_t um_stats_size(void); /* sizeof(um_stats), so Python can check its mirror */

@@ -108,3 +108,20 @@ def test_planned_scheduler_replays_its_plan_with_the_same_losses(cuda_device):
     assert um["diverged"] is None and um["replay_bytes_out"] > 0 and um["replay_bytes_in"] > 0
     for a, b in zip(um["losses"], stock):
         assert abs(a - b) <= 1e-5 * abs(b), (um["losses"], stock)
+
+
+def test_a_spilled_head_lives_in_host_memory_and_trains_the_same(cuda_device):
+    plain = run_script(SCRIPTS / "spill_check.py", "plain")
+    spill = run_script(SCRIPTS / "spill_check.py", "spill")
+    assert len(spill["losses"]) == 3
+    for a, b in zip(spill["losses"], plain["losses"]):
+        assert abs(a - b) <= 1e-6 * abs(b), (spill["losses"], plain["losses"])
+    assert plain["logits"] == ["activation", "gpu"] and spill["logits"] == ["spill", "host"]
+    assert plain["logits_grad"][0] == "activation" and spill["logits_grad"] == ["spill", "host"]
+    # the scope is open in backward's head, closed once the gradient reaches the head's input
+    assert spill["scope_at_logits"] == 16 * MiB and spill["scope_at_trunk_input"] == 0
+    assert spill["scope_after_step"] == 0 and plain["scope_at_logits"] == 0
+    # log-softmax's fp32 output (128 MiB), saved for backward, stays in host memory: not offloaded
+    assert plain["saved_bytes"] - spill["saved_bytes"] >= 128 * MiB
+    assert plain["peak_gpu_backed_bytes"] - spill["peak_gpu_backed_bytes"] >= 128 * MiB
+    assert spill["backend_errors"] == 0 and plain["backend_errors"] == 0

@@ -183,6 +183,31 @@ def test_a_failed_step_lets_go_of_its_tensors_and_the_next_one_trains():
     assert all(torch.equal(g, e) for g, e in zip(got, expected)) and offload._steps == 1
 
 
+def test_copies_out_stop_with_an_out_of_memory_error_before_host_memory_runs_out(monkeypatch):
+    model, x = _model(), torch.randn(32, 16, dtype=torch.float64)
+    expected = _grads(model, x)
+    monkeypatch.setattr("um_alloc.offload.HOST_CHECK_EVERY", 1)  # look at every copy
+    available = [10 << 30]
+    monkeypatch.setattr("um_alloc.offload.host_available", lambda: available[0])
+    offload = ActivationOffload(min_bytes=0, device="cpu", host_reserve="9GiB")
+    got = _grads(model, x, offload)  # 10 GiB available: every copy leaves more than 9
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    available[0] = 9 << 30  # a copy would leave less than the reserve
+    with pytest.raises(torch.OutOfMemoryError, match=r"host memory is running out: 9\.0 GiB available"):
+        _grads(model, x, offload)
+    assert not offload._offloaded and offload._steps == 1  # let go of; the failed step is not counted
+
+
+def test_host_available_reads_memavailable(tmp_path):
+    from um_alloc.offload import host_available
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   2048 kB\n")
+    assert host_available(str(meminfo)) == 2048 * 1024
+    meminfo.write_text("MemTotal:       131072000 kB\n")
+    assert host_available(str(meminfo)) is None and host_available(str(tmp_path / "absent")) is None
+
+
 class _Block(torch.nn.Module):
     """LayerNorm -> linear -> GELU -> linear, plus a view and a cast of saved tensors."""
 

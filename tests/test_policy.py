@@ -32,7 +32,7 @@ def error_of(tmp_path, text, name="p.yaml"):
 # ---------------------------------------------------------------- shipped policies
 def test_packaged_dir_holds_the_shipped_policies():
     assert sorted(p.name for p in packaged_policies_dir().glob("*.yaml")) == [
-        "best.yaml", "host_optimizer.yaml", "none.yaml", "worst.yaml"]
+        "best.yaml", "host_optimizer.yaml", "large_batch.yaml", "none.yaml", "worst.yaml"]
 
 
 def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
@@ -41,9 +41,16 @@ def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
     best, host = load_policy("best"), load_policy("host_optimizer")
     assert host.scheduler.evict_live is False and best.scheduler.evict_live is False
     assert best.scheduler.offload_activations and not host.scheduler.offload_activations
-    assert [t for t in TAGS if host_mapped(host.tags[t])] == ["optimizer_state"]
+    assert [t for t in TAGS if host_mapped(host.tags[t])] == ["optimizer_state", "spill"]
     assert {t: host.tags[t] for t in TAGS if t != "optimizer_state"} == \
         {t: best.tags[t] for t in TAGS if t != "optimizer_state"}
+
+
+def test_large_batch_is_host_optimizer_with_the_offload_and_a_spilled_head():
+    host, large = load_policy("host_optimizer"), load_policy("large_batch")
+    assert dict(large.tags) == dict(host.tags)
+    assert large.scheduler.offload_activations and large.scheduler.evict_live is False
+    assert large.scheduler.spill_min_size == 256 * MiB and host.scheduler.spill_min_size is None
 
 
 def test_none_policy_has_no_advice_and_default_settings():
@@ -208,12 +215,12 @@ def test_missing_file_lists_packaged_names(tmp_path):
         load_policy(tmp_path / "absent.yaml")
     message = str(info.value)
     assert "absent.yaml: policy file not found" in message
-    assert "packaged policies: best, host_optimizer, none, worst" in message
+    assert "packaged policies: best, host_optimizer, large_batch, none, worst" in message
 
 
 def test_unknown_bare_name():
     with pytest.raises(PolicyError, match="bestest: policy file not found; packaged policies: "
-                                          "best, host_optimizer, none, worst"):
+                                          "best, host_optimizer, large_batch, none, worst"):
         resolve_policy_path("bestest")
 
 

@@ -61,9 +61,12 @@ def test_bar_and_migration_charts_are_pngs_also_with_missing_values(tmp_path):
 
 
 def test_timeline_chart_with_and_without_fault_data(tmp_path):
+    from um_alloc.tags import TAGS
+
+    # every tag, as the real timeline has: each needs a colour of its own
     samples = [{"t_ns": 1000 * i, "label": str(i), "phase": "forward" if i < 5 else "backward",
-                "bytes": {"parameter": 2**20, "activation": i * 2**20}} for i in range(10)]
-    data = {"step": 3, "t0_ns": 0, "t1_ns": 9000, "source": "live_bytes", "tags": ["parameter", "activation"],
+                "bytes": {tag: (k + i) * 2**18 for k, tag in enumerate(TAGS)}} for i in range(10)]
+    data = {"step": 3, "t0_ns": 0, "t1_ns": 9000, "source": "live_bytes", "tags": list(TAGS),
             "budget_bytes": 8 * 2**20, "budget_label": "budget", "faults_ns": [1500, 2500, 7000], "samples": samples}
     assert is_png(charts.timeline_chart(data, tmp_path / "with.png"))
     assert is_png(charts.timeline_chart({**data, "faults_ns": None, "budget_bytes": None}, tmp_path / "none.png"))

@@ -14,12 +14,14 @@ from .install import Installation, install, installation, is_installed
 from .lms import get_enabled_lms, get_limit_lms, get_size_lms, set_enabled_lms, set_limit_lms, set_size_lms
 from .policy import Policy, PolicyError, TagAdvice, format_size, load_policy, parse_size
 from .pool import BlockInfo, ChunkPool
+from .spill import SpillFrom, spill_from
 from .stats import memory_stats, memory_summary
 from .tags import DEFAULT_TAG, TAGS, retag, tag, tag_module, tag_optimizer, tag_training
 
 __all__ = [
     "install", "installation", "is_installed", "Installation",
     "tag", "retag", "tag_module", "tag_optimizer", "tag_training", "TAGS", "DEFAULT_TAG",
+    "spill_from", "SpillFrom",
     "memory_stats", "memory_summary", "block_at", "ranges_for_tag",
     "load_policy", "Policy", "PolicyError", "TagAdvice", "parse_size", "format_size",
     "ChunkPool", "BlockInfo",

@@ -32,7 +32,7 @@ to pinned host memory and come back when backward unpacks them. Five things diff
   rebuild them, and later steps rebuild only what came out equal, place by place in the step.
 
 Eligible: tensors on the device of at least ``min_bytes`` that are not leaves requiring grad
-(parameters stay where they are). A tensor saved several times in a step is copied once. On a CPU
+(parameters stay where they are) and are not in host memory already (um_alloc.spill). A tensor saved several times in a step is copied once. On a CPU
 device the same logic runs with plain copies (no streams), so it can be tested without a GPU.
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .staging import DeviceStage, byte_view
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+HOST_CHECK_EVERY = 512 * MiB  # copied out between looks at the host's available memory
 DEFAULT_WINDOW = 1 << 30  # also what schedule_window: auto means here
 # When copies go through stages (um_alloc.staging): out, 4 slots of 16 MiB, filled on a stream of
 # their own so that the memory read is let go of ahead of the copies to the host; in, one of 64 MiB.
@@ -109,6 +110,9 @@ class ActivationOffload:
     window: bytes of copies back in flight ahead of backward (default 1 GiB).
     min_bytes: smaller tensors stay on the GPU (default 1 MiB).
     margin: headroom left under the budget when deciding what to keep (default 512 MiB).
+    host_reserve: host memory the copies must leave available (default 8 GiB): a copy out that
+        finds less raises torch.OutOfMemoryError naming host memory, rather than let the host's
+        out-of-memory killer end the process (pinned memory cannot be swapped).
     calibration_steps: steps that offload everything before the plan is made (default 2: the
         optimizer's state appears at the end of the first, and the peak must include it).
     device: "cuda", "cuda:N" (default: the current CUDA device) or "cpu" (tests).
@@ -124,10 +128,12 @@ class ActivationOffload:
     def __init__(self, budget: int | str | None = None, *, window: int | str = DEFAULT_WINDOW,
                  min_bytes: int | str = MiB, margin: int | str = "512MiB", calibration_steps: int = 2,
                  device: torch.device | str | None = None, peak_fn=None, rebuild: bool = True,
-                 staging: bool | None = None):
+                 staging: bool | None = None, host_reserve: int | str = "8GiB"):
         self.budget = None if budget is None else _size(budget, "budget")
         self.window, self.min_bytes = _size(window, "window"), _size(min_bytes, "min_bytes")
         self.margin = _size(margin, "margin")
+        self.host_reserve = _size(host_reserve, "host_reserve")
+        self._unchecked = 0  # bytes copied out since host memory was last looked at
         if self.budget is not None and self.budget <= self.margin:
             raise ValueError(f"ActivationOffload: budget {self.budget} bytes must be larger than the "
                              f"margin {self.margin} bytes")
@@ -149,6 +155,7 @@ class ActivationOffload:
         elif peak_fn is None and self.budget is not None:
             raise ValueError("ActivationOffload: on the CPU a budget needs peak_fn")
         self._peak_fn = peak_fn or (_default_peak_fn(self.device) if self._cuda else None)
+        self._spill_check = _SpillCheck.for_device(self.device)
         self._roots = RootRecorder(self._held_of, self.device.type) if rebuild else None
         self._verified: dict[int, tuple | None] = {}  # save index -> recipe signature that rebuilt equal
         self._steps = 0
@@ -316,7 +323,7 @@ class ActivationOffload:
         base = tensor._base if tensor._base is not None else tensor  # linear saves weight.t()
         is_parameter = base.is_leaf and base.requires_grad
         return (tensor.device == self.device and tensor.numel() * tensor.element_size() >= self.min_bytes
-                and not is_parameter)
+                and not is_parameter and not (self._spill_check and self._spill_check.spilled(tensor)))
 
     def _keeps(self, index: int) -> bool:
         return self._kept is not None and self._matches and index in self._kept
@@ -388,6 +395,7 @@ class ActivationOffload:
         # Dense tensors keep their layout (a flat copy), so views of the same storage can be
         # rebuilt from the copy; others are copied contiguous.
         stride = tensor.stride() if dense(tensor) else torch.empty(tensor.shape, device="meta").stride()
+        self._check_host_memory(tensor.numel() * tensor.element_size())
         host = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, pin_memory=self._cuda)
         done = None
         if self._cuda:
@@ -409,6 +417,22 @@ class ActivationOffload:
         self._cursor = len(self._offloaded) - 1
         self.stats.out_bytes += packed.nbytes
         return packed
+
+    def _check_host_memory(self, nbytes: int) -> None:
+        """Every HOST_CHECK_EVERY bytes copied out (reading /proc/meminfo costs ~30 us): enough host
+        memory left? Between looks the copies take at most that much more, which the reserve covers."""
+        self._unchecked += nbytes
+        if self._unchecked < HOST_CHECK_EVERY:
+            return
+        self._unchecked = 0
+        available = host_available()
+        if available is not None and available - nbytes < self.host_reserve:
+            raise torch.OutOfMemoryError(
+                f"ActivationOffload: host memory is running out: {available / 2**30:.1f} GiB available, and "
+                f"copying out a {nbytes / 2**20:.0f} MiB tensor would leave less than host_reserve "
+                f"({self.host_reserve / 2**30:.1f} GiB); this step has copied {self.stats.out_bytes / 2**30:.1f} "
+                "GiB to pinned memory so far. Lower the batch size, or raise the budget so that more stays "
+                "on the GPU.")
 
     def _copy_in(self, packed: _Packed) -> None:
         if self._cuda:
@@ -470,6 +494,47 @@ def choose_kept(sizes: list[int], room: int, tail: int) -> frozenset[int]:
             kept.add(j)
             body_kept += sizes[j]
     return frozenset(kept)
+
+
+class _SpillCheck:
+    """Whether a saved tensor lives in host memory the GPU maps (um_alloc.spill): moving it would
+    only copy it to the host again. Asks the pool only while a spill scope is open, and only for
+    storages it could have spilled, so other steps and tensors cost nothing."""
+
+    def __init__(self, device: torch.device):
+        from . import _lib, installation
+        from .policy import host_mapped
+        from .pool import ChunkPool
+
+        self._lib, self._pool = _lib.load(), ChunkPool.for_device(device.index)
+        self._host_tags = frozenset(t for t, advice in installation().policy.tags.items() if host_mapped(advice))
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "_SpillCheck | None":
+        from . import is_installed
+
+        return cls(device) if device.type == "cuda" and is_installed() else None
+
+    def spilled(self, tensor: torch.Tensor) -> bool:
+        smallest = self._lib.um_large_tag_min()
+        storage = tensor.untyped_storage()
+        if not smallest or storage.nbytes() < smallest:
+            return False
+        block = self._pool.block_at(storage.data_ptr())
+        return block is not None and block.tag in self._host_tags
+
+
+def host_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host memory available to new allocations (Linux's MemAvailable), in bytes; None where
+    the system does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _staging_default() -> bool:

@@ -73,6 +73,8 @@ class SchedulerSettings:
                                               # free chunks, then out of memory (a hard budget)
     offload_activations: bool = False         # saved tensors beyond the budget go to pinned host
                                               # memory (um_alloc.offload); needs a hard budget
+    spill_min_size: int | None = None         # bytes; allocations this large in a spill_from
+                                              # region get the spill tag (um_alloc.spill); None = off
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     },
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
-        "evict_live": _bool, "offload_activations": _bool,
+        "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,
@@ -312,8 +314,13 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
             "offload keeps on the GPU, and the driver keeps the GPU memory of evicted pages anyway",
             allowed="true together with evict_live: false, or false", received=True,
             hint="Add `evict_live: false` under scheduler.")
-    return Policy(name=name, source=source, pool=pool, scheduler=scheduler,
-                  tags=_tags(top.get("tags"), at.child("tags")))
+    tags = _tags(top.get("tags"), at.child("tags"))
+    if scheduler.spill_min_size is not None and not host_mapped(tags.get("spill", TagAdvice())):
+        raise at.child("scheduler.spill_min_size").error(
+            "spills to the spill tag, which this policy does not place in host memory: spilled "
+            "allocations would stay on the GPU", received=scheduler.spill_min_size,
+            hint="Add under tags: `spill: {preferred_location: cpu, accessed_by: [gpu]}`, or drop spill_min_size.")
+    return Policy(name=name, source=source, pool=pool, scheduler=scheduler, tags=tags)
 
 
 def _mapping(value: Any, at: _At, *, what: str) -> Mapping:

@@ -10,28 +10,41 @@ from typing import Any, Iterator
 
 __all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training"]
 
-TAGS = ("parameter", "gradient", "optimizer_state", "input", "activation", "other")
+# spill: the large temporaries of a region marked with um_alloc.spill_from (um_alloc/spill.py)
+TAGS = ("parameter", "gradient", "optimizer_state", "input", "activation", "other", "spill")
 DEFAULT_TAG = "activation"
 
 
 @contextlib.contextmanager
-def tag(name: str) -> Iterator[None]:
+def tag(name: str, min_size: int | str | None = None) -> Iterator[None]:
     """Tags every CUDA allocation made inside the block with `name`.
+
+    With `min_size` (bytes, or a size like "256MiB"), only allocations of at least that many bytes
+    get `name`; smaller ones keep the tag they would have had. One such scope is open at a time:
+    an inner one replaces the outer one until it ends.
 
     The scope is process-wide, not per thread: autograd runs backward on its own threads and
     its allocations must see the tag too. Nested scopes restore the outer tag on exit.
     """
     from . import _lib
+    from .policy import size_arg
     from .pool import tag_index
 
     lib = _lib.load()
     index = tag_index(name)
-    previous = lib.um_current_tag()
-    lib.um_set_current_tag(index)
+    if min_size is None:
+        restore, previous = lib.um_set_current_tag, (lib.um_current_tag(),)
+        lib.um_set_current_tag(index)
+    else:
+        smallest = size_arg(min_size, "min_size", "um_alloc.tag")
+        if smallest == 0:
+            raise ValueError("um_alloc.tag: min_size must be > 0 bytes (None tags every allocation)")
+        restore, previous = lib.um_set_large_tag, (lib.um_large_tag(), lib.um_large_tag_min())
+        lib.um_set_large_tag(index, smallest)
     try:
         yield
     finally:
-        lib.um_set_current_tag(previous)
+        restore(*previous)
 
 
 def retag(obj: Any, name: str) -> int:

@@ -15,7 +15,8 @@ from .tables import format_value
 CAUSE_COLORS = {"fault": "#d62728", "prefetch": "#2ca02c", "speculative": "#ff7f0e",
                 "eviction": "#9467bd", "access_counters": "#8c564b", "unknown": "#7f7f7f"}
 TAG_COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer_state": "#2ca02c",
-              "input": "#9467bd", "activation": "#d62728", "other": "#7f7f7f", "all": "#17becf"}
+              "input": "#9467bd", "activation": "#d62728", "other": "#7f7f7f", "spill": "#bcbd22",
+              "all": "#17becf"}  # every tag of um_alloc.tags.TAGS (tests check), and the total
 
 
 def _figure(width: float = 8.0, height: float = 4.5):
