@@ -32,8 +32,9 @@ to pinned host memory and come back when backward unpacks them. Five things diff
   rebuild them, and later steps rebuild only what came out equal, place by place in the step.
 
 Eligible: tensors on the device of at least ``min_bytes`` that are not leaves requiring grad
-(parameters stay where they are) and are not in host memory already (um_alloc.spill). A tensor saved several times in a step is copied once. On a CPU
-device the same logic runs with plain copies (no streams), so it can be tested without a GPU.
+(parameters stay where they are) and are not in host memory already (um_alloc.spill). A tensor
+saved several times in a step is copied once. On a CPU device the same logic runs with plain
+copies (no streams), so it can be tested without a GPU.
 """
 from __future__ import annotations
 
