@@ -25,11 +25,10 @@ void* ManagedBackend::reserve(size_t bytes) noexcept {
 void ManagedBackend::release(void* base, size_t) noexcept { check(cudaFree(base), "cudaFree"); }
 
 bool ManagedBackend::order_after(Stream waiter, Stream producer) noexcept {
-  cudaEvent_t e = take_event();
-  if (!e) return false;
-  bool ok = check(cudaEventRecord(e, static_cast<cudaStream_t>(producer)), "cudaEventRecord") &&
-            check(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), e, 0), "cudaStreamWaitEvent");
-  free_events_.push_back(e);
+  Event point = record(producer);
+  if (!point) return false;
+  const bool ok = wait(waiter, point);
+  release_event(point);  // the wait holds the point on the GPU; the event can be recorded again
   return ok;
 }
 

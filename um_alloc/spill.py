@@ -28,7 +28,8 @@ import logging
 
 import torch
 
-from .policy import format_size, host_mapped, size_arg
+from .policy import format_size, host_mapped
+from .tags import _tensors, min_size_arg, tag
 
 __all__ = ["SpillFrom", "spill_from"]
 log = logging.getLogger(__name__)
@@ -40,9 +41,7 @@ class SpillFrom:
     spill_from() is the checked entry point."""
 
     def __init__(self, module: torch.nn.Module, min_size: int | str):
-        self.min_size = size_arg(min_size, "min_size", "um_alloc.spill_from")
-        if self.min_size == 0:
-            raise ValueError("um_alloc.spill_from: min_size must be > 0 bytes")
+        self.min_size = min_size_arg(min_size, "um_alloc.spill_from")  # refused now, not at forward
         self._scope = None             # the open tag("spill", min_size) scope
         self._until_backward = False   # the open scope ends in backward, not with the forward
         self._handles = [module.register_forward_pre_hook(self._forward_starts),
@@ -65,8 +64,6 @@ class SpillFrom:
         self._close()
 
     def _open(self) -> None:
-        from .tags import tag
-
         self._scope = tag("spill", self.min_size)
         self._scope.__enter__()
 
@@ -106,11 +103,3 @@ def spill_from(module: torch.nn.Module, min_size: int | str | None = None) -> Sp
     log.info("spilling allocations of at least %s from %s on to host memory",
                                      format_size(spill.min_size), type(module).__name__)
     return spill
-
-
-def _tensors(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from _tensors(a)

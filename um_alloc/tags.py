@@ -27,7 +27,6 @@ def tag(name: str, min_size: int | str | None = None) -> Iterator[None]:
     its allocations must see the tag too. Nested scopes restore the outer tag on exit.
     """
     from . import _lib
-    from .policy import size_arg
     from .pool import tag_index
 
     lib = _lib.load()
@@ -36,15 +35,23 @@ def tag(name: str, min_size: int | str | None = None) -> Iterator[None]:
         restore, previous = lib.um_set_current_tag, (lib.um_current_tag(),)
         lib.um_set_current_tag(index)
     else:
-        smallest = size_arg(min_size, "min_size", "um_alloc.tag")
-        if smallest == 0:
-            raise ValueError("um_alloc.tag: min_size must be > 0 bytes (None tags every allocation)")
+        smallest = min_size_arg(min_size, "um_alloc.tag")
         restore, previous = lib.um_set_large_tag, (lib.um_large_tag(), lib.um_large_tag_min())
         lib.um_set_large_tag(index, smallest)
     try:
         yield
     finally:
         restore(*previous)
+
+
+def min_size_arg(value: int | str, source: str) -> int:
+    """A large-allocation scope's smallest size: bytes > 0, or a size like "256MiB"."""
+    from .policy import size_arg
+
+    smallest = size_arg(value, "min_size", source)
+    if smallest == 0:
+        raise ValueError(f"{source}: min_size must be > 0 bytes")
+    return smallest
 
 
 def retag(obj: Any, name: str) -> int:
