@@ -131,6 +131,14 @@ size_t um_pool_empty_cache(um_pool* pool) { return pool->pool->empty_cache(); }
 
 void um_pool_stats(um_pool* pool, um_stats* out) { *out = pool->pool->stats(); }
 
+void um_pool_device_live(um_pool* pool, uint64_t* live, uint64_t* peak) {
+  const um::DeviceLive now = pool->pool->device_live();
+  *live = now.live;
+  *peak = now.peak;
+}
+
+void um_pool_reset_device_peak(um_pool* pool) { pool->pool->reset_device_peak(); }
+
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy) {
   if (!um::valid_tag(tag)) return invalid(um::bad_tag_message(tag));
   pool->pool->set_tag_policy(um::Tag(tag), um::tag_policy_from(policy));

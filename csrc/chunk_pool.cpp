@@ -503,13 +503,22 @@ void ChunkPool::count_live(Block* b, int sign) {
     stats_.peak_live_bytes_total = std::max(stats_.peak_live_bytes_total, stats_.live_bytes_total);
     if (!small) stats_.held_bytes[t] += b->size;
     ++(small ? stats_.small_blocks : stats_.large_blocks);
+    b->device_live = !host_mapped(b->tag);
+    if (b->device_live) add_device_live(b->requested);
   } else {
     stats_.live_bytes[t] -= b->requested;
     stats_.live_bytes_total -= b->requested;
     ++stats_.frees[t];
     if (!small) stats_.held_bytes[t] -= b->size;
     --(small ? stats_.small_blocks : stats_.large_blocks);
+    if (b->device_live) device_live_.live -= b->requested;
+    b->device_live = false;
   }
+}
+
+void ChunkPool::add_device_live(uint64_t bytes) {
+  device_live_.live += bytes;
+  device_live_.peak = std::max(device_live_.peak, device_live_.live);
 }
 
 void ChunkPool::move_accounting(Block* b, Tag to_tag) {
@@ -521,6 +530,22 @@ void ChunkPool::move_accounting(Block* b, Tag to_tag) {
     stats_.held_bytes[from] -= b->size;
     stats_.held_bytes[to] += b->size;
   }
+  const bool on_device = !host_mapped(to_tag);  // a retag can move a block in or out of GPU memory
+  if (on_device != b->device_live) {
+    if (on_device) add_device_live(b->requested);
+    else device_live_.live -= b->requested;
+    b->device_live = on_device;
+  }
+}
+
+DeviceLive ChunkPool::device_live() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_live_;
+}
+
+void ChunkPool::reset_device_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  device_live_.peak = device_live_.live;
 }
 
 um_stats ChunkPool::stats() const {

@@ -91,6 +91,7 @@ struct Block {
   Tag tag = kDefaultTag;
   bool allocated = false;
   bool is_container = false;  // a chunk holding small blocks
+  bool device_live = false;   // counted in device_live_: allocated under a tag that is not host-mapped
   StreamSet streams;
 };
 
@@ -100,6 +101,10 @@ struct BySizeThenAddress {
   }
 };
 using FreeSet = std::set<Block*, BySizeThenAddress>;
+
+struct DeviceLive {
+  uint64_t live = 0, peak = 0;
+};
 
 struct AllocError {
   um_error_kind kind = UM_OK;
@@ -130,6 +135,10 @@ class ChunkPool {
   std::vector<um_range> ranges_for_tag(Tag tag) const;
   size_t empty_cache();  // bytes returned
   um_stats stats() const;
+  // Live bytes of tags that are not host-mapped (what kernels keep in GPU memory), and their peak
+  // since the last reset_device_peak(): the planner reads these around each block of a step.
+  DeviceLive device_live() const;
+  void reset_device_peak();
   void set_tag_policy(Tag tag, const TagPolicy& policy);
   void set_budget(const BudgetConfig& budget);
   BudgetConfig budget() const;
@@ -172,6 +181,7 @@ class ChunkPool {
   };
   ChunkRange chunk_range(const Block* run) const;
   void count_live(Block* b, int sign);
+  void add_device_live(uint64_t bytes);
   void move_accounting(Block* b, Tag to_tag);
   bool retag_locked(const void* ptr, Tag tag, Stream stream);
   void note_backend_failure();
@@ -187,6 +197,7 @@ class ChunkPool {
   std::array<FreeSet, kNumTags> free_small_;   // free space inside each tag's small chunks
   std::map<char*, Block*> live_;               // allocations handed out, by address
   um_stats stats_{};
+  DeviceLive device_live_{};
   std::string backend_error_;
   BudgetConfig budget_;
   uint64_t tick_ = 0;

@@ -75,6 +75,10 @@ size_t um_pool_migrate(um_pool* pool, const void* ptr, int to_gpu, void* stream)
 size_t um_pool_ranges_for_tag(um_pool* pool, int tag, um_range* out, size_t capacity);
 size_t um_pool_empty_cache(um_pool* pool);
 void um_pool_stats(um_pool* pool, um_stats* out);
+/* Live bytes of tags that are not host-mapped (kept in GPU memory), and their peak since the last
+ * um_pool_reset_device_peak; cheaper than um_pool_stats, for reading around each block of a step. */
+void um_pool_device_live(um_pool* pool, uint64_t* live, uint64_t* peak);
+void um_pool_reset_device_peak(um_pool* pool);
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
 const char* um_pool_backend_error(um_pool* pool);
 

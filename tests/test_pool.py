@@ -582,3 +582,22 @@ def test_memory_summary_reports_the_pools_counts(monkeypatch):
     assert "stream waits 1 (side-stream points recorded at free 1)" in summary
     assert any(line.split()[:2] == ["activation", "4.0"] for line in summary.splitlines())  # 4.0 MiB live
     pool.close()
+
+
+def test_device_live_counts_gpu_tags_and_its_peak_resets(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool()
+    pool.set_tag_policy("optimizer_state", TagAdvice(preferred_location="cpu", accessed_by=("gpu",)))
+    large, small = pool.malloc(3 * MiB), pool.malloc(100)
+    assert pool.device_live() == (3 * MiB + 100, 3 * MiB + 100)
+    pool.free(large)
+    assert pool.device_live() == (100, 3 * MiB + 100)
+    pool.reset_device_peak()
+    assert pool.device_live() == (100, 100)
+    host = pool.malloc(4 * MiB, tag="optimizer_state")  # host-mapped: not GPU memory
+    assert pool.device_live() == (100, 100)
+    pool.retag(small, "optimizer_state")
+    assert pool.device_live() == (0, 100)
+    pool.retag(host, "activation")  # into GPU memory: counted, and the peak follows
+    assert pool.device_live() == (4 * MiB, 4 * MiB)

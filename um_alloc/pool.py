@@ -157,6 +157,17 @@ class ChunkPool:
         out["tags"] = {tag: {f: getattr(s, f)[i] for f in per_tag} for i, tag in enumerate(TAGS)}
         return out
 
+    def device_live(self) -> tuple[int, int]:
+        """(live, peak): bytes of live allocations whose tag is not host-mapped, which kernels keep
+        in GPU memory, and their peak since reset_device_peak(). One lock, no stats copy."""
+        live, peak = ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.um_pool_device_live(self._handle, ctypes.byref(live), ctypes.byref(peak))
+        return live.value, peak.value
+
+    def reset_device_peak(self) -> None:
+        """Starts device_live()'s peak over from the bytes live now."""
+        self._lib.um_pool_reset_device_peak(self._handle)
+
     def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True,
                    evict_live: bool = True) -> None:
         """GPU residency budget in bytes (0: none); allocations smaller than min_swap_size stay put.
