@@ -1,5 +1,5 @@
 // What kind of data an allocation holds, so a policy can advise it.
-// The order is the Python tuple um_alloc.tags.TAGS; tests check they agree.
+// The order is the Python tuple um_alloc.tag_names.TAGS; tests check they agree.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -2,7 +2,7 @@
  *
  * Nothing here throws. Functions that can fail return NULL or a negative number and leave a
  * message in um_last_error() (per thread). Sizes are bytes; streams are cudaStream_t handles
- * (opaque on the host backend). Tags are the indices of um_alloc.tags.TAGS.
+ * (opaque on the host backend). Tags are the indices of um_alloc.tag_names.TAGS.
  */
 #ifndef UM_ALLOC_H
 #define UM_ALLOC_H
@@ -33,6 +33,8 @@ typedef struct {
   uint64_t base, bytes;
 } um_range;
 
+/* um_alloc/stats_fields.py lists these fields in this order for Python; a field added here goes
+ * there too (um_stats_size() lets Python check). */
 typedef struct {
   /* per tag: bytes asked for and still live, their peak, whole chunks held, counts */
   uint64_t live_bytes[UM_NUM_TAGS], peak_live_bytes[UM_NUM_TAGS], held_bytes[UM_NUM_TAGS];

@@ -35,7 +35,16 @@ def test_check_shipped_policies_exit_0():
     assert "parameter=gpu/by:gpu/prefetch" in lines[0] and "input=read_mostly/prefetch" in lines[0]
     assert lines[1].endswith("advice: none)")
     assert "activation=cpu/by:cpu" in lines[2]
+    assert "budget none (hard, offload activations)" in lines[0] and "budget none (hard)" in lines[1]
     assert result.stderr == ""
+
+
+def test_check_says_a_budget_is_reactive_only_where_the_policy_asks(tmp_path):
+    reactive = tmp_path / "reactive.yaml"
+    reactive.write_text("scheduler: {budget: 4GiB, evict_live: true}\n")
+    result = run_cli("check", "--device-memory", "8GiB", reactive)
+    assert result.returncode == 0, result.stderr
+    assert "budget 4.0 GiB (reactive)" in result.stdout
 
 
 def test_check_reports_every_bad_file_and_exits_1(tmp_path):
@@ -216,7 +225,8 @@ def test_capabilities_errors_name_the_call(monkeypatch):
 
 
 # ---------------------------------------------------------------- import hygiene
-@pytest.mark.parametrize("module", ["policy.py", "device_info.py", "__main__.py"])
+@pytest.mark.parametrize("module", ["policy.py", "device_info.py", "__main__.py", "tag_names.py", "errors.py",
+                                    "sizes.py", "stats_fields.py"])
 def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
     """torch, pynvml and cuda.bindings must be imported lazily: installing the allocator has to
     happen before anything initialises CUDA, and CI has no GPU libraries."""
@@ -229,3 +239,16 @@ def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
             top.append(node.module.split(".")[0])
     allowed = set(sys.stdlib_module_names) | {"yaml", "__future__"}
     assert top and set(top) <= allowed, set(top) - allowed
+
+
+@pytest.mark.parametrize("module, allowed", [
+    ("tag_names.py", set()), ("errors.py", set()), ("stats_fields.py", set()), ("sizes.py", {"errors"}),
+    ("_lib.py", {"tag_names", "stats_fields"}), ("pool.py", {"_lib", "tag_names", "stats_fields"}),
+])
+def test_the_bottom_of_the_package_imports_only_what_lies_below_it(module, allowed):
+    """The vocabulary and the C mirror sit at the bottom: nothing they import imports them back."""
+    tree = ast.parse((ROOT / "um_alloc" / module).read_text())
+    package = {alias.name if node.module is None else node.module
+               for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0
+               for alias in node.names}
+    assert package <= allowed, package - allowed

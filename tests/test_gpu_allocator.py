@@ -84,14 +84,19 @@ def test_install_after_cuda_work_says_how_to_fix_it(cuda_device):
 def test_reactive_budget_gives_the_same_losses_within_the_budget(cuda_device):
     budget = 96 * MiB  # the small BERT needs several times this: evictions must happen
     stock = run_script(SCRIPTS / "train_tiny.py", "stock", "none", 10)["losses"]
-    um = run_script(SCRIPTS / "train_tiny.py", "um", "none.yaml", 10, "none", "96MiB")
-    assert um["budget"] == budget and um["evictions"] > 0
+    um = run_script(SCRIPTS / "train_tiny.py", "um", "none.yaml", 10, "none", "96MiB", "reactive")
+    assert um["budget"] == budget and um["evictions"] > 0 and um["evicts_live"]
     for a, b in zip(um["losses"], stock):
         assert abs(a - b) <= 1e-5 * abs(b), (um["losses"], stock)
     assert um["backend_errors"] == 0
     # No high-water check here: this model's whole footprint plus the CUDA context is about the
     # 1 GiB constant such a check allows, so it could not fail. At BERT-Large scale the budget is
-    # not yet kept (bench/results/budget_16GiB_b32_reactive.json: 26.4 GiB at a 16 GiB budget).
+    # not kept (bench/results/budget_16GiB_b32_reactive.json: 26.4 GiB at a 16 GiB budget).
+
+
+def test_a_budget_without_evict_live_is_hard(cuda_device):
+    um = run_script(SCRIPTS / "train_tiny.py", "um", "none.yaml", 2, "none", "1GiB")
+    assert um["budget"] == 1 << 30 and not um["evicts_live"] and um["evictions"] == 0
 
 
 def test_lms_controls_set_the_budget(cuda_device):
@@ -99,15 +104,7 @@ def test_lms_controls_set_the_budget(cuda_device):
     assert found["before"] == [True, 0, 1 << 20]
     assert found["after"] == [False, 64 * MiB, 2 * MiB]
     assert found["evictions"] > 0 and found["resident"] <= 64 * MiB
-
-
-def test_planned_scheduler_replays_its_plan_with_the_same_losses(cuda_device):
-    stock = run_script(SCRIPTS / "train_tiny.py", "stock", "none", 8)["losses"]
-    um = run_script(SCRIPTS / "train_tiny.py", "um", "best.yaml", 8, "none", "96MiB", "planned")
-    assert um["plan_out_bytes"] > 0, "the budget must force the plan to swap"
-    assert um["diverged"] is None and um["replay_bytes_out"] > 0 and um["replay_bytes_in"] > 0
-    for a, b in zip(um["losses"], stock):
-        assert abs(a - b) <= 1e-5 * abs(b), (um["losses"], stock)
+    assert found["installation_budget"] == 64 * MiB  # what offload.from_policy and the timeline read
 
 
 def test_a_spilled_head_lives_in_host_memory_and_trains_the_same(cuda_device):

@@ -52,7 +52,7 @@ def test_streaming_on_the_copy_stream_is_exact(cuda_device):
 
 
 def test_bert_large_mini_batch_1024_in_16gib_with_um_alloc(cuda_device, tmp_path):
-    # seq 512: BERT-Large trains at 65-75 samples/s on one H200 (DESIGN.md), a little less on an
+    # seq 512: BERT-Large trains at 65-75 samples/s on one H200 (measured), a little less on an
     # H100, so 2 steps of 1024 samples plus the size probes take about 40 s: well under 3 minutes.
     out = tmp_path / "bert_large_1024.json"
     _run([sys.executable, "bert_example/train.py", "--model", "large", "--batch-size", "1024", "--seq-len", "512",

@@ -1,8 +1,12 @@
 """ActivationOffload's logic on the CPU (plain copies; the CUDA path adds streams and events)."""
+import contextlib
+
 import pytest
 import torch
 
+import um_alloc
 from um_alloc.offload import ActivationOffload
+from um_alloc.pool import ChunkPool
 
 
 def _model(seed=0):
@@ -168,6 +172,23 @@ def test_from_policy_reads_budget_window_and_min_swap_size(monkeypatch):
     assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None
     installed({"evict_live": False, "offload_activations": True})    # no budget: nothing to size it to
     assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None
+    with _host_pool_as_the_device_pool(monkeypatch):  # set_limit_lms reaches what from_policy reads
+        um_alloc.set_limit_lms("4GiB")
+        assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0).budget == 4 * 2**30
+        installed({"budget": "8GiB", "offload_activations": True})    # hard by default
+        um_alloc.set_limit_lms(0)                                     # no budget: nothing to size it to
+        assert offload_module.from_policy(device="cpu", peak_fn=lambda: 0) is None
+
+
+@contextlib.contextmanager
+def _host_pool_as_the_device_pool(monkeypatch):
+    """A pool over host memory stands in for the installed device's, so the budget controls run here."""
+    pool = ChunkPool.host(2 << 20, 16 << 20)
+    monkeypatch.setattr(ChunkPool, "for_device", classmethod(lambda cls, device: pool))
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 def test_a_failed_step_lets_go_of_its_tensors_and_the_next_one_trains():

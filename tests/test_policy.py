@@ -6,10 +6,12 @@ import types
 
 import pytest
 
-from um_alloc.policy import (GiB, KiB, MiB, Policy, PolicyError, PoolSettings, SchedulerSettings,
-                             TagAdvice, load_policy, packaged_policies_dir, policy_from_dict,
-                             resolve_policy_path, validate_for_device)
-from um_alloc.tags import TAGS
+from um_alloc.errors import PolicyError
+from um_alloc.policy import (Policy, PoolSettings, SchedulerSettings, TagAdvice, load_policy,
+                             packaged_policies_dir, policy_from_dict, resolve_policy_path,
+                             validate_for_device)
+from um_alloc.sizes import GiB, KiB, MiB
+from um_alloc.tag_names import TAGS
 
 GPU = TagAdvice(preferred_location="gpu", prefetch=True)
 
@@ -312,6 +314,8 @@ def test_shipped_policies_fit_a_small_gpu():
 def test_evict_live_and_host_mapped_tags():
     from um_alloc.policy import host_mapped
 
+    assert SchedulerSettings().evict_live is False  # a budget is hard unless a policy asks otherwise
+    assert policy_from_dict({"scheduler": {"evict_live": True}}, source="t.yaml", name="t").scheduler.evict_live
     policy = policy_from_dict({"scheduler": {"evict_live": False},
                                "tags": {"optimizer_state": {"preferred_location": "cpu",
                                                             "accessed_by": ["gpu"]}}},
@@ -343,8 +347,10 @@ def test_with_budget_overrides_and_checks_like_the_key():
 
 def test_offload_activations_needs_a_hard_budget():
     with pytest.raises(PolicyError, match=r"scheduler.offload_activations: needs a hard budget.*"
-                                          r"Add `evict_live: false` under scheduler"):
-        policy_from_dict({"scheduler": {"offload_activations": True}}, source="p.yaml", name="p")
-    policy = policy_from_dict({"scheduler": {"offload_activations": True, "evict_live": False}},
-                              source="p.yaml", name="p")
-    assert policy.scheduler.offload_activations and not policy.scheduler.evict_live
+                                          r"Drop `evict_live: true` from scheduler"):
+        policy_from_dict({"scheduler": {"offload_activations": True, "evict_live": True}},
+                         source="p.yaml", name="p")
+    for hard in ({}, {"evict_live": False}):  # hard by default, or said so
+        policy = policy_from_dict({"scheduler": {"offload_activations": True, **hard}},
+                                  source="p.yaml", name="p")
+        assert policy.scheduler.offload_activations and not policy.scheduler.evict_live

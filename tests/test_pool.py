@@ -355,7 +355,7 @@ def test_residency_follows_allocations_and_frees(make_pool):
 
 def test_budget_evicts_least_recently_used_first(make_pool):
     pool = make_pool(arena=64 * MiB)
-    pool.set_budget(8 * MiB, min_swap_size=1 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=True)
     a = pool.malloc(4 * MiB)
     b = pool.malloc(4 * MiB)
     c = pool.malloc(4 * MiB)  # over budget: a, the oldest, goes to host
@@ -368,7 +368,7 @@ def test_budget_evicts_least_recently_used_first(make_pool):
 
 def test_budget_evicts_free_chunks_before_newer_live_blocks(make_pool):
     pool = make_pool(arena=64 * MiB)
-    pool.set_budget(8 * MiB, min_swap_size=1 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=True)
     a = pool.malloc(4 * MiB)
     b = pool.malloc(4 * MiB)
     pool.free(a)
@@ -380,7 +380,7 @@ def test_budget_evicts_free_chunks_before_newer_live_blocks(make_pool):
 
 def test_small_and_below_min_swap_allocations_stay(make_pool):
     pool = make_pool(arena=64 * MiB)
-    pool.set_budget(4 * MiB, min_swap_size=8 * MiB)
+    pool.set_budget(4 * MiB, min_swap_size=8 * MiB, evict_live=True)
     small = [pool.malloc(4096, tag=t) for t in ("input", "other")]  # two small chunks
     big = pool.malloc(4 * MiB)  # below min_swap_size: never a victim
     pool.malloc(4 * MiB)
@@ -391,7 +391,7 @@ def test_small_and_below_min_swap_allocations_stay(make_pool):
 
 def test_disabled_budget_evicts_nothing(make_pool):
     pool = make_pool(arena=64 * MiB)
-    pool.set_budget(4 * MiB, min_swap_size=1 * MiB, enabled=False)
+    pool.set_budget(4 * MiB, min_swap_size=1 * MiB, enabled=False, evict_live=True)
     assert not pool.budget_enabled()
     for _ in range(4):
         pool.malloc(4 * MiB)
@@ -401,7 +401,7 @@ def test_disabled_budget_evicts_nothing(make_pool):
 
 def test_random_workload_under_a_budget_keeps_accounting_consistent(make_pool):
     pool = make_pool(arena=32 * MiB)
-    pool.set_budget(24 * MiB, min_swap_size=1 * MiB)
+    pool.set_budget(24 * MiB, min_swap_size=1 * MiB, evict_live=True)
     rng = random.Random(1)
     live = {}
     for _ in range(1500):
@@ -511,7 +511,7 @@ def test_under_a_budget_reuse_prefers_free_runs_already_on_the_gpu(make_pool):
 
     pool = make_pool(arena=64 * MiB)
     pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
-    pool.set_budget(16 * MiB, min_swap_size=1 * MiB)  # reactive: prefers resident runs
+    pool.set_budget(16 * MiB, min_swap_size=1 * MiB, evict_live=True)  # reactive: prefers resident runs
     a, keep, b = pool.malloc(4 * MiB), pool.malloc(2 * MiB), pool.malloc(6 * MiB)
     pool.migrate(a, to_gpu=False)
     pool.free(a)  # a's 4 MiB run is free on the host
@@ -572,10 +572,7 @@ def test_memory_summary_reports_the_pools_counts(monkeypatch):
     pool.record_stream(p, 2)
     pool.free(p)
     assert pool.malloc(4 * MiB, stream=1) == p  # waits on the point s2 was at when p was freed
-    raw = pool.raw_stats()
-    public = {name: raw[core] for core, name in stats_module._TOTALS.items()}
-    public["tags"] = {t: {name: raw["tags"][t][core] for core, name in stats_module._PER_TAG.items()}
-                      for t in stats_module.TAGS}
+    public = stats_module.public_stats(pool.raw_stats())
     public.update(device_highwater_bytes=None, policy="test")
     monkeypatch.setattr(stats_module, "memory_stats", lambda device=None: public)
     summary = stats_module.memory_summary()

@@ -61,7 +61,7 @@ def test_bar_and_migration_charts_are_pngs_also_with_missing_values(tmp_path):
 
 
 def test_timeline_chart_with_and_without_fault_data(tmp_path):
-    from um_alloc.tags import TAGS
+    from um_alloc.tag_names import TAGS
 
     # every tag, as the real timeline has: each needs a colour of its own
     samples = [{"t_ns": 1000 * i, "label": str(i), "phase": "forward" if i < 5 else "backward",
@@ -171,19 +171,28 @@ def test_step_timeline_samples_forward_backward_and_optimizer(tmp_path):
 
 
 def test_budget_line_is_the_scheduler_budget_else_a_cap_that_was_asked_for(monkeypatch):
+    import importlib
+
     import um_alloc
     from um_alloc.install import Installation
+    from um_alloc.policy import load_policy
+    from um_alloc.pool import ChunkPool
     from um_alloc.profile.timeline import default_budget
 
+    install_module = importlib.import_module("um_alloc.install")  # um_alloc.install is also the function
     GiB = 2**30
 
     def installed(policy, cap):
-        inst = Installation(um_alloc.load_policy(policy), 0, cap, 80 * GiB, 70 * GiB, 1 * GiB)
-        monkeypatch.setattr(um_alloc, "is_installed", lambda: True)
-        monkeypatch.setattr(um_alloc, "installation", lambda: inst)
+        inst = Installation(load_policy(policy), 0, cap, 80 * GiB, 70 * GiB, 1 * GiB)
+        monkeypatch.setattr(install_module, "_installation", inst)
 
     installed({"scheduler": {"budget": "8GiB"}}, 60 * GiB)
     assert default_budget() == (8 * GiB, "scheduler.budget")
+    pool = ChunkPool.host(2 << 20, 16 << 20)  # stands in for the installed device's pool
+    monkeypatch.setattr(ChunkPool, "for_device", classmethod(lambda cls, device: pool))
+    um_alloc.set_limit_lms("6GiB")  # the line follows the budget kept now
+    assert default_budget() == (6 * GiB, "scheduler.budget")
+    pool.close()
     installed({"scheduler": {"budget": 0.5}}, 60 * GiB)
     assert default_budget() == (40 * GiB, "scheduler.budget")
     installed("none", 16 * GiB)  # --memory-limit 16GiB

@@ -1,8 +1,9 @@
-"""parse_size / format_size: the size syntax every policy key with bytes uses."""
+"""parse_size / format_size: the size syntax every policy key and size argument uses."""
 
 import pytest
 
-from um_alloc.policy import GiB, KiB, MiB, PolicyError, TiB, format_size, parse_size
+from um_alloc.errors import PolicyError
+from um_alloc.sizes import GiB, KiB, MiB, TiB, format_size, parse_size, positive_size_arg, size_arg
 
 GOOD = [
     (0, 0),
@@ -91,3 +92,24 @@ def test_format_size(n, text):
 @pytest.mark.parametrize("n", [1, 64 * KiB, 2 * MiB, 3 * GiB, 5 * TiB])
 def test_format_size_round_trips_for_whole_units(n):
     assert parse_size(format_size(n).replace(" ", ""), key="k", source="s") == n
+
+
+def test_size_arguments_take_bytes_or_sizes_and_say_where_they_failed():
+    assert size_arg("1GiB", "window", "ActivationOffload") == GiB and size_arg(0, "window", "x") == 0
+    with pytest.raises(ValueError, match=r"ActivationOffload: window must be bytes >= 0 or a size like '1GiB', got -1"):
+        size_arg(-1, "window", "ActivationOffload")
+    with pytest.raises(PolicyError, match=r"ActivationOffload: window: .*ambiguous"):
+        size_arg("1 GB", "window", "ActivationOffload")
+    assert positive_size_arg("256MiB", "min_size", "um_alloc.tag") == 256 * MiB
+    with pytest.raises(ValueError, match=r"um_alloc.tag: min_size must be > 0 bytes"):
+        positive_size_arg(0, "min_size", "um_alloc.tag")
+
+
+def test_sizes_are_also_reached_where_they_were_published():
+    import um_alloc
+    import um_alloc.policy as policy
+
+    assert um_alloc.parse_size is policy.parse_size is parse_size
+    assert um_alloc.format_size is policy.format_size is format_size
+    assert policy.size_arg is size_arg and (policy.KiB, policy.MiB, policy.GiB, policy.TiB) == (KiB, MiB, GiB, TiB)
+    assert um_alloc.PolicyError is policy.PolicyError is PolicyError

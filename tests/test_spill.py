@@ -7,7 +7,8 @@ import torch
 from um_alloc import _lib
 from um_alloc.policy import PolicyError, load_policy, policy_from_dict
 from um_alloc.spill import SpillFrom, spill_from
-from um_alloc.tags import TAGS, tag
+from um_alloc.tag_names import TAGS
+from um_alloc.tags import tag
 
 MiB = 1 << 20
 

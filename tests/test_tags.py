@@ -1,10 +1,15 @@
 """Tag scopes around optimizer steps, on the CPU: the scope is the core's process-wide current
-tag, which needs no GPU; retag (which needs um_alloc installed) is recorded instead."""
+tag, which needs no GPU; retag (which needs um_alloc installed) is recorded instead. And the
+vocabulary, and the walk over nested containers that retag and the micro-batches share."""
+import collections
+
 import pytest
 import torch
 
 from um_alloc import _lib
-from um_alloc.tags import TAGS, TrainingTags
+from um_alloc.tag_names import DEFAULT_TAG, TAGS, tag_index
+from um_alloc.tags import TrainingTags
+from um_alloc.tensor_trees import map_tensors, tensor_leaves, tensors
 
 
 def _current_tag() -> str:
@@ -50,3 +55,34 @@ def test_state_made_by_a_later_step_is_retagged_after_it(retags):
     # after it retags all state, and step 3 is settled again
     assert seen == ["optimizer_state", "other", "other", "other"]
     assert [c for c in retags if c[0] == "optimizer_state"] == [("optimizer_state", 6), ("optimizer_state", 12)]
+
+
+def test_the_vocabulary_is_the_cores_and_names_what_it_allows():
+    lib = _lib.load()
+    assert tuple(lib.um_tag_name(i).decode() for i in range(lib.um_num_tags())) == TAGS
+    assert TAGS[lib.um_current_tag()] == DEFAULT_TAG and tag_index("spill") == 6
+    with pytest.raises(ValueError, match="unknown tag 'weights'; allowed: parameter, gradient"):
+        tag_index("weights")
+
+
+class _Items:
+    """A mapping by duck type only, as some batch classes are."""
+
+    def __init__(self, **values):
+        self._values = values
+
+    def items(self):
+        return self._values.items()
+
+
+def test_one_walk_finds_the_tensors_of_nested_containers():
+    a, b, c, d = (torch.zeros(i + 1) for i in range(4))
+    tree = {"x": [a, (b, "text")], "y": _Items(z=c), "n": 3, "w": collections.OrderedDict(v=d)}
+    assert [t.numel() for t in tensors(tree)] == [1, 2, 3, 4]  # other leaves are skipped
+    paths = [p for p, _ in tensor_leaves({"x": [a, (b,)]}, "batch", strict=True)]
+    assert paths == ["batch['x'][0]", "batch['x'][1][0]"]
+    with pytest.raises(TypeError, match=r"batch\['x'\]\[1\]\[1\] is a str"):
+        list(tensor_leaves(tree, "batch", strict=True))
+    Pair = collections.namedtuple("Pair", "p q")
+    doubled = map_tensors(lambda t: t + 1, {"k": Pair(a, [b])})
+    assert isinstance(doubled["k"], Pair) and doubled["k"].p.tolist() == [1.0]

@@ -10,13 +10,16 @@
     print(um_alloc.memory_summary())
 """
 from . import lms
+from .errors import PolicyError
 from .install import Installation, install, installation, is_installed
 from .lms import get_enabled_lms, get_limit_lms, get_size_lms, set_enabled_lms, set_limit_lms, set_size_lms
-from .policy import Policy, PolicyError, TagAdvice, format_size, load_policy, parse_size
+from .policy import Policy, TagAdvice, load_policy
 from .pool import BlockInfo, ChunkPool
+from .sizes import format_size, parse_size
 from .spill import SpillFrom, spill_from
 from .stats import memory_stats, memory_summary
-from .tags import DEFAULT_TAG, TAGS, retag, tag, tag_module, tag_optimizer, tag_training
+from .tag_names import DEFAULT_TAG, TAGS
+from .tags import retag, tag, tag_module, tag_optimizer, tag_training
 
 __all__ = [
     "install", "installation", "is_installed", "Installation",

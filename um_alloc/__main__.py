@@ -11,8 +11,9 @@ import sys
 from typing import Sequence
 
 from .device_info import device_memory, unified_memory_capabilities
-from .policy import (Policy, PolicyError, TagAdvice, format_size, load_policy, parse_size,
-                     validate_for_device)
+from .errors import PolicyError
+from .policy import Policy, TagAdvice, load_policy, validate_for_device
+from .sizes import format_size, parse_size
 
 
 def describe(policy: Policy) -> str:
@@ -33,7 +34,8 @@ def describe(policy: Policy) -> str:
 
 
 def _budget_mode(scheduler) -> str:
-    """What a budget does under this policy (shown even without one: it says what --budget would do)."""
+    """What a budget does under this policy (shown even without one: it says what --budget would do):
+    hard unless the policy asks for evict_live: true."""
     if scheduler.evict_live:
         return "reactive"
     return "hard, offload activations" if scheduler.offload_activations else "hard"

@@ -9,7 +9,10 @@ import ctypes
 import functools
 from pathlib import Path
 
-from .tags import TAGS
+import torch  # noqa: F401  -- loads libc10, which the core links against, before the core
+
+from .stats_fields import FIELDS
+from .tag_names import TAGS
 
 NUM_TAGS = len(TAGS)
 _U64xT = ctypes.c_uint64 * NUM_TAGS
@@ -30,26 +33,9 @@ class RangeC(ctypes.Structure):
     _fields_ = [("base", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
 
 
-# Mirrors um_stats in csrc/um_alloc.h, field for field; load() checks the size.
-PER_TAG_FIELDS = ("live_bytes", "peak_live_bytes", "held_bytes", "allocations", "frees")
-TOTAL_FIELDS = (
-    "live_bytes_total", "peak_live_bytes_total",
-    "reserved_bytes", "peak_reserved_bytes", "max_reserved_bytes", "arena_count",
-    "chunk_size", "large_blocks", "small_chunks", "small_blocks",
-    "fragmentation_bytes", "internal_waste_bytes", "internal_waste_bound_bytes", "free_chunk_bytes",
-    "largest_free_run_bytes",
-    "num_ooms", "advise_calls", "prefetch_calls", "prefetch_bytes", "stream_waits", "backend_errors",
-    "free_events",
-    "arena_reserves", "arena_releases",
-)
-RESIDENCY_FIELDS = ("resident_free_bytes", "resident_bytes_total", "peak_resident_bytes", "budget_bytes",
-                    "min_swap_size", "evictions", "evicted_bytes", "over_budget_allocations",
-                    "backed_bytes", "peak_backed_bytes")
-
-
 class StatsC(ctypes.Structure):
-    _fields_ = ([(f, _U64xT) for f in PER_TAG_FIELDS] + [(f, ctypes.c_uint64) for f in TOTAL_FIELDS]
-                + [("resident_bytes", _U64xT)] + [(f, ctypes.c_uint64) for f in RESIDENCY_FIELDS])
+    """um_stats (csrc/um_alloc.h), built from stats_fields.FIELDS; load() checks the size."""
+    _fields_ = [(f.core, _U64xT if f.per_tag else ctypes.c_uint64) for f in FIELDS]
 
 
 ERR_OOM = 1
@@ -107,15 +93,13 @@ def library_path() -> Path:
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    import torch  # noqa: F401  -- loads libc10, which the core links against
-
     lib = ctypes.CDLL(str(library_path()))
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     if lib.um_stats_size() != ctypes.sizeof(StatsC):
         raise ImportError(f"um_alloc core/Python mismatch: um_stats is {lib.um_stats_size()} bytes in C++, "
-                          f"{ctypes.sizeof(StatsC)} in _lib.py; rebuild the package")
+                          f"{ctypes.sizeof(StatsC)} as stats_fields.py lists it; rebuild the package")
     names = tuple(lib.um_tag_name(i).decode() for i in range(lib.um_num_tags()))
     if names != TAGS:
         raise ImportError(f"um_alloc core/Python tag mismatch: C++ {names}, Python {TAGS}; rebuild the package")

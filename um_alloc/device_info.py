@@ -50,7 +50,7 @@ def device_memory(index: int = 0) -> DeviceMemory | None:
 def _with_nvml(query: Any) -> Any:
     """query(pynvml) between nvmlInit and nvmlShutdown; None when NVML is missing or fails."""
     try:
-        import pynvml
+        import pynvml  # here, not at the top: this module must import without it (module docstring)
     except ImportError:
         return None
     try:
@@ -95,7 +95,7 @@ def unified_memory_capabilities(index: int = 0) -> dict[str, Any]:
     when NVML answers. Raises RuntimeError saying what is missing when there is no usable device.
     """
     try:
-        from cuda.bindings import runtime as rt
+        from cuda.bindings import runtime as rt  # here, as pynvml above
     except ImportError as exc:
         raise RuntimeError("cuda-bindings is not installed (pip install cuda-bindings); "
                            "it is needed to query the CUDA device") from exc

@@ -7,26 +7,39 @@ NVML, which does not initialise CUDA.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from . import _lib
 from .device_info import DeviceMemory, device_memory
-from .policy import (Policy, PolicyError, format_size, load_policy, parse_size, validate_for_device,
-                     with_budget)
-from .pool import tag_policy_struct
-from .tags import TAGS
+from .errors import PolicyError
+from .policy import Policy, load_policy, validate_for_device, with_budget
+from .pool import ChunkPool, tag_policy_struct
+from .sizes import format_size, parse_size
+from .tag_names import TAGS
 
 NO_CAP = 2**64 - 1
 
 
 @dataclass(frozen=True)
 class Installation:
+    """What install() set up: the policy, the device and the memory figures it was sized by."""
     policy: Policy
     device: int
     max_reserved: int          # cap on managed memory reserved (NO_CAP with oversubscribe and auto)
     device_total: int
     device_free_at_install: int
     device_used_at_install: int  # NVML "used" then: the base of the residency high-water mark
+    budget_override: int | None = None  # bytes set since install (set_limit_lms; 0: none)
+
+    @property
+    def budget(self) -> int | None:
+        """The GPU residency budget in bytes, or None: the policy's, resolved against the device,
+        unless set_limit_lms changed it since. Everything that sizes itself to the budget reads this."""
+        if self.budget_override is not None:
+            return self.budget_override or None
+        return self.policy.budget_bytes(self.device_total)
 
 
 _installation: Installation | None = None
@@ -65,12 +78,21 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     _require_cuda_untouched()
     memory = _device_memory_or_raise(device)
     validate_for_device(chosen, memory.total_bytes)
-    cap = reserve_cap(chosen, max_reserved, memory)
-    _configure_core(chosen, cap, memory.total_bytes)
+    made = Installation(chosen, device, reserve_cap(chosen, max_reserved, memory), memory.total_bytes,
+                        memory.free_bytes, memory.used_bytes)
+    _configure_core(made)
     _allocator = _swap_torch_allocator()
-    _installation = Installation(chosen, device, cap, memory.total_bytes, memory.free_bytes,
-                                 memory.used_bytes)
+    _installation = made
     return _installation
+
+
+def set_budget(budget: int, min_swap_size: int, enabled: bool) -> None:
+    """Gives the installed pool a budget of `budget` bytes (0: none), in the mode the policy chose,
+    and makes it what installation().budget reports. enabled=False pauses it, keeping the figures."""
+    global _installation
+    pool = ChunkPool.for_device(installation().device)
+    pool.set_budget(budget, min_swap_size, enabled, evict_live=pool.budget_evicts_live())
+    _installation = replace(_installation, budget_override=budget)
 
 
 def is_installed() -> bool:
@@ -112,8 +134,6 @@ def reserve_cap(policy: Policy, override: int | str | None, memory: DeviceMemory
 
 
 def _require_cuda_untouched() -> None:
-    import torch
-
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "um_alloc.install() must run before any CUDA work, and CUDA is already initialised in "
@@ -129,19 +149,17 @@ def _device_memory_or_raise(device: int) -> DeviceMemory:
     return memory
 
 
-def _configure_core(policy: Policy, cap: int, device_total: int) -> None:
-    lib = _lib.load()
-    if lib.um_configure(policy.pool.chunk_size, policy.pool.arena_size, cap) != 0:
+def _configure_core(installing: Installation) -> None:
+    policy, lib = installing.policy, _lib.load()
+    if lib.um_configure(policy.pool.chunk_size, policy.pool.arena_size, installing.max_reserved) != 0:
         raise RuntimeError(f"um_alloc: {_lib.last_error()[1]}")
     for i, tag in enumerate(TAGS):
         lib.um_set_default_tag_policy(i, tag_policy_struct(policy.tags[tag]))
-    budget = policy.budget_bytes(device_total) or 0
-    lib.um_set_default_budget(budget, policy.scheduler.min_swap_size, 1, int(policy.scheduler.evict_live))
+    lib.um_set_default_budget(installing.budget or 0, policy.scheduler.min_swap_size, 1,
+                              int(policy.scheduler.evict_live))
 
 
 def _swap_torch_allocator():
-    import torch
-
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         str(_lib.library_path()), "um_torch_malloc", "um_torch_free")
     hooks = allocator.allocator()

@@ -4,17 +4,19 @@
     set_limit_lms("10GiB")       # the GPU residency budget (scheduler.budget)
     set_size_lms("1MiB")         # allocations smaller than this are never swapped (scheduler.min_swap_size)
 
-They act on the pool of the device um_alloc was installed for, from the next allocation on.
-With scheduler.evict_live (the default) the budget is kept reactively: least recently used chunks
-move to host memory when an allocation would pass it, and page faults bring them back when needed.
-With evict_live: false it is hard: it bounds the GPU memory the driver backs for the pool; nothing is
-evicted, wholly free arenas are returned, then allocations fail as out of memory.
+They act on the pool of the device um_alloc was installed for, from the next allocation on, and
+the limit is what installation().budget reports from then on (um_alloc.offload.from_policy and
+the profile's memory timeline size themselves by it). The budget keeps the mode the policy chose:
+hard by default (scheduler.evict_live: false), a bound on the GPU memory the driver backs for the
+pool; nothing is evicted, wholly free arenas are returned, then allocations fail as out of memory.
+With evict_live: true it is kept reactively: least recently used chunks move to host memory when
+an allocation would pass it, and page faults bring them back when needed.
 """
 from __future__ import annotations
 
-from .install import installation
-from .policy import size_arg
+from .install import installation, set_budget
 from .pool import ChunkPool
+from .sizes import size_arg
 
 __all__ = ["set_enabled_lms", "get_enabled_lms", "set_limit_lms", "get_limit_lms", "set_size_lms",
            "get_size_lms"]
@@ -30,15 +32,10 @@ def _settings() -> tuple[int, int, bool]:
     return stats["budget_bytes"], stats["min_swap_size"], pool.budget_enabled()
 
 
-def _apply(limit: int, size: int, enabled: bool) -> None:
-    pool = _pool()
-    pool.set_budget(limit, size, enabled, evict_live=pool.budget_evicts_live())
-
-
 def set_enabled_lms(enable: bool) -> None:
     """Turns budget enforcement on or off without forgetting the limit."""
     limit, size, _ = _settings()
-    _apply(limit, size, bool(enable))
+    set_budget(limit, size, bool(enable))
 
 
 def get_enabled_lms() -> bool:
@@ -52,7 +49,7 @@ def set_limit_lms(limit: int | str) -> None:
     if budget > total:
         raise ValueError(f"limit {budget} bytes is larger than the device's {total} bytes")
     _, size, enabled = _settings()
-    _apply(budget, size, enabled)
+    set_budget(budget, size, enabled)
 
 
 def get_limit_lms() -> int:
@@ -62,7 +59,7 @@ def get_limit_lms() -> int:
 def set_size_lms(size: int | str) -> None:
     """Allocations smaller than `size` bytes (or '1MiB') are never swapped out."""
     limit, _, enabled = _settings()
-    _apply(limit, size_arg(size, "size", "um_alloc.lms"), enabled)
+    set_budget(limit, size_arg(size, "size", "um_alloc.lms"), enabled)
 
 
 def get_size_lms() -> int:

@@ -32,12 +32,16 @@ import gc
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from .install import is_installed
+from .tags import retag
+from .tensor_trees import map_tensors, tensor_leaves, tensors
 
 __all__ = ["MicroBatchStreamer", "split_batch", "batch_size_of", "shape_signature", "find_micro_batch_size"]
 
@@ -49,38 +53,6 @@ CountFn = Callable[[Batch], "int | torch.Tensor"]
 
 
 # --- batch structure ---------------------------------------------------------------------------
-
-def _leaves(batch: Batch, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (path, tensor) per leaf. Raises TypeError naming the first leaf that is not a tensor."""
-    if isinstance(batch, torch.Tensor):
-        yield path, batch
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
-    elif isinstance(batch, (tuple, list)):
-        for index, value in enumerate(batch):
-            yield from _leaves(value, f"{path}[{index}]")
-    else:
-        raise TypeError(f"{path} is a {type(batch).__name__}; a batch holds only tensors, "
-                        "in (nested) tuples, lists and dicts")
-
-
-def _map(fn: Callable[[torch.Tensor], torch.Tensor], batch: Batch) -> Batch:
-    """Applies fn to every tensor, keeping the container types (dict subclasses, namedtuples)."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        items = {key: _map(fn, value) for key, value in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_map(fn, value) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map(fn, value) for value in batch)
-    raise TypeError(f"a batch holds only tensors, got a {type(batch).__name__}")
-
 
 def _check_size(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -94,7 +66,7 @@ def batch_size_of(batch: Batch) -> int:
     Raises TypeError for a non-tensor leaf, ValueError for no tensors, a 0-dim tensor, tensors
     that disagree on dim 0 (naming both and their sizes) or an empty batch.
     """
-    leaves = list(_leaves(batch))
+    leaves = list(tensor_leaves(batch, "batch", strict=True))
     if not leaves:
         raise ValueError("the batch holds no tensors")
     first_path, first = leaves[0]
@@ -116,13 +88,13 @@ def split_batch(batch: Batch, micro_batch_size: int) -> list[Batch]:
     size = _check_size(micro_batch_size, "micro_batch_size")
     total = batch_size_of(batch)
     starts = range(0, total, size)
-    return [_map(lambda t, s=start: t.narrow(0, s, min(size, total - s)), batch) for start in starts]
+    return [map_tensors(lambda t, s=start: t.narrow(0, s, min(size, total - s)), batch) for start in starts]
 
 
 def shape_signature(batch: Batch) -> tuple:
     """What the memory of a micro-batch depends on besides its size: per leaf, shape without dim 0
     and dtype."""
-    return tuple((path, tuple(t.shape[1:]), t.dtype) for path, t in _leaves(batch))
+    return tuple((path, tuple(t.shape[1:]), t.dtype) for path, t in tensor_leaves(batch, "batch", strict=True))
 
 
 # --- finding the micro-batch size -------------------------------------------------------------
@@ -232,13 +204,13 @@ class _CopyStream:
         tensor are pinned, which non_blocking copies need to be asynchronous."""
         if self.stream is None:
             return batch
-        return _map(lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t, batch)
+        return map_tensors(lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t, batch)
 
     def start(self, micro: Batch) -> tuple[Batch, torch.cuda.Event | None]:
         if self.stream is None:
-            return _map(lambda t: t.to(self.device), micro), None
+            return map_tensors(lambda t: t.to(self.device), micro), None
         with torch.cuda.stream(self.stream):
-            moved = _map(lambda t: t.to(self.device, non_blocking=True), micro)
+            moved = map_tensors(lambda t: t.to(self.device, non_blocking=True), micro)
         event = torch.cuda.Event()
         event.record(self.stream)
         return moved, event
@@ -251,7 +223,7 @@ class _CopyStream:
             compute.wait_event(event)
             # Allocated on the copy stream, used on the compute stream: without this the allocator
             # could hand the memory to the copy stream again while compute still reads it.
-            for _, tensor in _leaves(moved):
+            for tensor in tensors(moved):
                 tensor.record_stream(compute)
         return moved
 
@@ -404,6 +376,5 @@ class MicroBatchStreamer:
     def _retag_input(self, micro: Batch) -> None:
         if self.input_tag is None or self.device.type != "cuda":
             return
-        from . import is_installed, retag  # imported here: the package imports this module
         if is_installed():
             retag(micro, self.input_tag)

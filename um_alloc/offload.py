@@ -1,5 +1,5 @@
-"""Saved activations to host memory during forward, back to the GPU ahead of backward (vDNN,
-seeds/004_*), sized to a GPU budget.
+"""Saved activations to host memory during forward, back to the GPU ahead of backward (as vDNN
+does: Rhu et al., 2016), sized to a GPU budget.
 
     offload = ActivationOffload(budget="16GiB")
     for batch in loader:
@@ -46,9 +46,15 @@ from typing import Iterator
 
 import torch
 
-from .policy import size_arg
+from . import _lib
+from .byte_views import byte_view, storage_bytes
+from .install import installation, is_installed
+from .policy import host_mapped
+from .pool import ChunkPool
 from .rebuild import Recipe, RootRecorder, dense
-from .staging import DeviceStage, byte_view
+from .sizes import size_arg
+from .staging import DeviceStage
+from .stats import memory_stats
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +383,7 @@ class ActivationOffload:
         return self._copy_back_now(packed)
 
     def _same_bits(self, rebuilt: torch.Tensor, packed: _Packed, chunk: int = 64 * MiB) -> bool:
-        gpu, host = _bytes_of(rebuilt), _bytes_of(packed.host)
+        gpu, host = storage_bytes(rebuilt), storage_bytes(packed.host)
         if gpu.numel() != host.numel():
             return False
         self.stats.in_bytes += host.numel()  # the comparison carries the bytes back
@@ -503,17 +509,11 @@ class _SpillCheck:
     storages it could have spilled, so other steps and tensors cost nothing."""
 
     def __init__(self, device: torch.device):
-        from . import _lib, installation
-        from .policy import host_mapped
-        from .pool import ChunkPool
-
         self._lib, self._pool = _lib.load(), ChunkPool.for_device(device.index)
         self._host_tags = frozenset(t for t, advice in installation().policy.tags.items() if host_mapped(advice))
 
     @classmethod
     def for_device(cls, device: torch.device) -> "_SpillCheck | None":
-        from . import is_installed
-
         return cls(device) if device.type == "cuda" and is_installed() else None
 
     def spilled(self, tensor: torch.Tensor) -> bool:
@@ -539,30 +539,22 @@ def host_available(meminfo: str = "/proc/meminfo") -> int | None:
 
 
 def _staging_default() -> bool:
-    from . import is_installed
-
     return is_installed()  # its memory is managed: copies of it would stall kernels
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a tensor's whole storage, as a flat uint8 tensor on the same device."""
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 def from_policy(**overrides) -> ActivationOffload | None:
     """An ActivationOffload for the installed policy, or None when it does not ask for one.
 
-    It asks with ``scheduler.offload_activations: true`` and a budget: the budget is the policy's
-    (resolved against the device), the window its ``schedule_window`` (auto: 1 GiB) and the
-    smallest tensor that moves its ``min_swap_size``. Keyword arguments override any of these.
+    It asks with ``scheduler.offload_activations: true`` and a budget: the budget is
+    ``installation().budget`` (the policy's, resolved against the device, or set_limit_lms's), the
+    window its ``schedule_window`` (auto: 1 GiB) and the smallest tensor that moves its
+    ``min_swap_size``. Keyword arguments override any of these.
     """
-    from .install import installation, is_installed
-
     if not is_installed():
         return None
     chosen = installation()
     scheduler = chosen.policy.scheduler
-    budget = chosen.policy.budget_bytes(chosen.device_total)
+    budget = chosen.budget
     if not scheduler.offload_activations or budget is None:
         return None
     settings = dict(budget=budget, window=scheduler.schedule_window or DEFAULT_WINDOW,
@@ -586,8 +578,6 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 
 def _default_peak_fn(device: torch.device):
-    from . import is_installed, memory_stats
-
     if is_installed():
         return lambda: memory_stats()["peak_gpu_backed_bytes"]
     return lambda: torch.cuda.max_memory_reserved(device)

@@ -1,7 +1,7 @@
 """Allocation policies: YAML file -> dict -> frozen dataclasses, validated in one function.
 
-A policy says how the managed pool reserves memory (``pool``), what the out-of-core scheduler
-may keep resident (``scheduler``) and which ``cudaMemAdvise`` hints and prefetches apply to each
+A policy says how the managed pool reserves memory (``pool``), how a GPU memory budget is kept
+(``scheduler``) and which ``cudaMemAdvise`` hints and prefetches apply to each
 allocation tag (``tags``). Every key is optional; its default is the dataclass field default
 below and is written nowhere else. ``policy_from_dict`` is the only validator: whatever the
 source (file, dict, ``UM_POLICY``), a policy goes through it, and every mistake comes back as
@@ -14,35 +14,28 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import types
 from dataclasses import dataclass, field, fields, replace
-from fractions import Fraction
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping
 
 import yaml
 
-from .tags import TAGS
+from .errors import At, PolicyError
+# The sizes are also reached as um_alloc.policy.parse_size etc.; they are defined in sizes.py.
+from .sizes import GiB, KiB, MiB, TiB, format_size, parse_size, parse_size_at, size_arg
+from .tag_names import TAGS
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "PolicyError", "TagAdvice", "PoolSettings",
-           "SchedulerSettings", "Policy", "parse_size", "format_size", "packaged_policies_dir",
+           "SchedulerSettings", "Policy", "parse_size", "size_arg", "format_size", "packaged_policies_dir",
            "resolve_policy_path", "load_policy", "policy_from_dict", "validate_for_device"]
 
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 LOCATIONS = ("gpu", "cpu", "none")
 ACCESSORS = ("gpu", "cpu")          # also the canonical order of TagAdvice.accessed_by
 CHUNK_MIN, CHUNK_MAX = 64 * KiB, 1 * GiB
 ENV_VAR = "UM_POLICY"
 DEFAULT_POLICY = "none"
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be used. ``str()`` is the whole message; the parts are attributes."""
-
-    def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
-        super().__init__(message)
-        self.source, self.key = source, key
 
 
 # ---------------------------------------------------------------- dataclasses (the defaults)
@@ -69,8 +62,10 @@ class SchedulerSettings:
     budget: int | float | None = None         # int bytes, float fraction in (0, 1], None = none
     schedule_window: int | None = None        # bytes; None = auto
     min_swap_size: int = 1 * MiB              # bytes; smaller allocations are never swapped
-    evict_live: bool = True                   # over budget: evict live blocks (reactive) or only
-                                              # free chunks, then out of memory (a hard budget)
+    evict_live: bool = False                  # over budget: only free chunks leave, then out of
+                                              # memory (hard); true: live blocks are evicted and
+                                              # faulted back (reactive, which does not keep the
+                                              # budget at scale; the page-fault baseline)
     offload_activations: bool = False         # saved tensors beyond the budget go to pinned host
                                               # memory (um_alloc.offload); needs a hard budget
     spill_min_size: int | None = None         # bytes; allocations this large in a spill_from
@@ -90,7 +85,7 @@ class Policy:
         # Consumers index tags[tag] for every tag, so fill the gaps here, once, in TAGS order.
         unknown = sorted(set(self.tags) - set(TAGS))
         if unknown:
-            raise _At(self.source, "tags").error("unknown tag", allowed=", ".join(TAGS),
+            raise At(self.source, "tags").error("unknown tag", allowed=", ".join(TAGS),
                                                  received=unknown[0])
         full = {tag: self.tags.get(tag, TagAdvice()) for tag in TAGS}
         object.__setattr__(self, "tags", types.MappingProxyType(full))
@@ -103,98 +98,11 @@ class Policy:
         return budget
 
 
-# ---------------------------------------------------------------- error context
-@dataclass(frozen=True)
-class _At:
-    """Where a value sits: the file and the dotted key. Builds the errors for that place."""
-    source: str
-    key: str = ""
-
-    def child(self, name: Any) -> _At:
-        return _At(self.source, f"{self.key}.{name}" if self.key else str(name))
-
-    def error(self, problem: str, *, allowed: str | None = None, received: Any = ...,
-              hint: str | None = None) -> PolicyError:
-        # "<file>: <key>: <problem> (got <value>; allowed: <values>). <hint>"
-        details = [f"got {received!r}"] if received is not ... else []
-        details += [f"allowed: {allowed}"] if allowed else []
-        text = f"{self.source}: {self.key}: {problem}" if self.key else f"{self.source}: {problem}"
-        text += f" ({'; '.join(details)})" if details else ""
-        text += f". {hint}" if hint else ""
-        return PolicyError(text, source=self.source, key=self.key or None)
-
-
-# ---------------------------------------------------------------- sizes
-_UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
-_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
-_SIZE_ALLOWED = ("an integer number of bytes >= 0, or a string like 512KiB, 2MiB, 1.5GiB "
-                 "(units B, KiB, MiB, GiB, TiB)")
-
-
-def parse_size(value: Any, *, key: str, source: str) -> int:
-    """Bytes from an int >= 0 or a string "<number>[ ]<B|KiB|MiB|GiB|TiB>" (rounded to int).
-
-    Decimal units (KB, MB, GB, TB, K, M, G) are refused: people mean both 10**9 and 2**30 by
-    "GB", and a budget off by 7% is a silent OOM. Raises PolicyError naming key and source.
-    """
-    return _parse_size(value, _At(source, key), _SIZE_ALLOWED)
-
-
-def size_arg(value: Any, what: str, source: str) -> int:
-    """A size given to a function: an int >= 0 (bytes) or a string like "1GiB". ValueError otherwise."""
-    if isinstance(value, str):
-        return parse_size(value, key=what, source=source)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{source}: {what} must be bytes >= 0 or a size like '1GiB', got {value!r}")
-    return value
-
-
-def _parse_size(value: Any, at: _At, allowed: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise at.error("not a size", allowed=allowed, received=value)
-    if isinstance(value, float):
-        raise at.error("a bare decimal number is not a size", allowed=allowed,
-                       received=value, hint=f"Write the unit, e.g. '{value:g}GiB'.")
-    if isinstance(value, int):
-        if value < 0:
-            raise at.error("size must be >= 0", allowed=allowed, received=value)
-        return value
-    match = _SIZE_RE.fullmatch(value)
-    if not match:
-        negative = value.strip().startswith("-")
-        raise at.error("size must be >= 0" if negative else "unparsable size",
-                       allowed=allowed, received=value)
-    number, unit = match.groups()
-    if unit.lower() not in _UNITS:
-        raise at.error("unknown size unit", allowed=allowed, received=value,
-                       hint=_unit_hint(value, number, unit))
-    return round(Fraction(number) * _UNITS[unit.lower()])
-
-
-def _unit_hint(value: str, number: str, unit: str) -> str | None:
-    if not unit:
-        return f"A string needs a unit: write {number}B, or {number} unquoted for bytes."
-    binary = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}.get(unit[0].lower())
-    if binary and unit.lower() in (unit[0].lower(), unit[0].lower() + "b"):
-        power = {"KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40}[binary]
-        return (f"'{value.strip()}' is ambiguous: write {number}{binary} (2**{power}) "
-                f"or the exact number of bytes.")
-    return None
-
-
-def format_size(n: int) -> str:
-    """2097152 -> "2.0 MiB"; below 1 KiB, whole bytes ("512 B")."""
-    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 # ---------------------------------------------------------------- value converters
-Converter = Callable[[Any, _At], Any]
+Converter = Callable[[Any, At], Any]
 
 
-def _bool(value: Any, at: _At) -> bool:
+def _bool(value: Any, at: At) -> bool:
     if isinstance(value, bool):
         return value
     hint = "Write true or false without quotes." if isinstance(value, str) else None
@@ -202,7 +110,7 @@ def _bool(value: Any, at: _At) -> bool:
 
 
 def _choice(choices: tuple[str, ...], null: str | None = None) -> Converter:
-    def convert(value: Any, at: _At) -> str:
+    def convert(value: Any, at: At) -> str:
         if value is None and null is not None:   # YAML `~` or an empty value
             return null
         if isinstance(value, str) and value in choices:
@@ -211,7 +119,7 @@ def _choice(choices: tuple[str, ...], null: str | None = None) -> Converter:
     return convert
 
 
-def _accessors(value: Any, at: _At) -> tuple[str, ...]:
+def _accessors(value: Any, at: At) -> tuple[str, ...]:
     allowed = f"a list, subset of [{', '.join(ACCESSORS)}]"
     if value is None:
         return ()
@@ -225,8 +133,8 @@ def _accessors(value: Any, at: _At) -> tuple[str, ...]:
 
 
 def _size(minimum: int = 0) -> Converter:
-    def convert(value: Any, at: _At) -> int:
-        n = _parse_size(value, at, _SIZE_ALLOWED)
+    def convert(value: Any, at: At) -> int:
+        n = parse_size_at(value, at)
         if n < minimum:
             raise at.error(f"must be at least {format_size(minimum)} ({minimum} bytes)",
                            received=value)
@@ -238,19 +146,19 @@ def _size_or(word: str) -> Converter:
     """A size > 0, or `word` / null meaning None (auto)."""
     allowed = f"{word}, or a size > 0 like 512MiB or 4GiB"
 
-    def convert(value: Any, at: _At) -> int | None:
+    def convert(value: Any, at: At) -> int | None:
         if value is None or (isinstance(value, str) and value.strip() == word):
             return None
-        n = _parse_size(value, at, allowed)
+        n = parse_size_at(value, at, allowed)
         if n == 0:
             raise at.error("size must be > 0", allowed=allowed, received=value)
         return n
     return convert
 
 
-def _chunk_size(value: Any, at: _At) -> int:
+def _chunk_size(value: Any, at: At) -> int:
     allowed = "a power of two from 64KiB to 1GiB (64KiB, 128KiB, ..., 2MiB, ..., 1GiB)"
-    n = _parse_size(value, at, allowed)
+    n = parse_size_at(value, at, allowed)
     if n & (n - 1) or not CHUNK_MIN <= n <= CHUNK_MAX:
         raise at.error(f"{n} bytes is not a power of two in range", allowed=allowed,
                        received=value)
@@ -260,7 +168,7 @@ def _chunk_size(value: Any, at: _At) -> int:
 _BUDGET_ALLOWED = "none, a size > 0 like 8GiB, or a fraction of device memory 0 < f <= 1 like 0.5"
 
 
-def _budget(value: Any, at: _At) -> int | float | None:
+def _budget(value: Any, at: At) -> int | float | None:
     if value is None or value == "none":
         return None
     if isinstance(value, float):
@@ -268,7 +176,7 @@ def _budget(value: Any, at: _At) -> int | float | None:
             raise at.error("fraction out of range (0, 1]", allowed=_BUDGET_ALLOWED,
                            received=value)
         return value
-    n = _parse_size(value, at, _BUDGET_ALLOWED)
+    n = parse_size_at(value, at, _BUDGET_ALLOWED)
     if n == 0:
         raise at.error("budget must be > 0", allowed=_BUDGET_ALLOWED, received=value)
     return n
@@ -294,7 +202,7 @@ _SECTIONS = ("pool", "scheduler", "tags")
 # ---------------------------------------------------------------- the one validation function
 def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
     """Validate an already-parsed policy and build it. The only place policies are checked."""
-    at = _At(source)
+    at = At(source)
     top = _mapping(data, at, what="a policy (sections: pool, scheduler, tags)")
     _reject_unknown(top, _SECTIONS, at, what="section")
     pool = _section(PoolSettings, top.get("pool"), at.child("pool"))
@@ -313,7 +221,7 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
             "needs a hard budget: with evict_live: true the pool would also evict the tensors the "
             "offload keeps on the GPU, and the driver keeps the GPU memory of evicted pages anyway",
             allowed="true together with evict_live: false, or false", received=True,
-            hint="Add `evict_live: false` under scheduler.")
+            hint="Drop `evict_live: true` from scheduler: the budget is then hard.")
     tags = _tags(top.get("tags"), at.child("tags"))
     if scheduler.spill_min_size is not None and not host_mapped(tags.get("spill", TagAdvice())):
         raise at.child("scheduler.spill_min_size").error(
@@ -323,7 +231,7 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
     return Policy(name=name, source=source, pool=pool, scheduler=scheduler, tags=tags)
 
 
-def _mapping(value: Any, at: _At, *, what: str) -> Mapping:
+def _mapping(value: Any, at: At, *, what: str) -> Mapping:
     if value is None:                 # an empty file or `pool:` with nothing under it
         return {}
     if not isinstance(value, Mapping):
@@ -331,7 +239,7 @@ def _mapping(value: Any, at: _At, *, what: str) -> Mapping:
     return value
 
 
-def _reject_unknown(raw: Mapping, known: tuple[str, ...], at: _At, *, what: str) -> None:
+def _reject_unknown(raw: Mapping, known: tuple[str, ...], at: At, *, what: str) -> None:
     for key in raw:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
@@ -340,14 +248,14 @@ def _reject_unknown(raw: Mapping, known: tuple[str, ...], at: _At, *, what: str)
                 hint=f"Did you mean {close[0]!r}?" if close else None)
 
 
-def _section(cls: type, raw: Any, at: _At) -> Any:
+def _section(cls: type, raw: Any, at: At) -> Any:
     raw = _mapping(raw, at, what=f"keys: {', '.join(f.name for f in fields(cls))}")
     convert = _CONVERTERS[cls]
     _reject_unknown(raw, tuple(convert), at, what="key")
     return cls(**{key: convert[key](value, at.child(key)) for key, value in raw.items()})
 
 
-def _tags(raw: Any, at: _At) -> dict[str, TagAdvice]:
+def _tags(raw: Any, at: At) -> dict[str, TagAdvice]:
     raw = _mapping(raw, at, what=f"tag names: {', '.join(TAGS)}")
     _reject_unknown(raw, TAGS, at, what="tag")
     tags = {tag: _section(TagAdvice, value, at.child(tag)) for tag, value in raw.items()}
@@ -367,13 +275,13 @@ def host_mapped(advice: TagAdvice) -> bool:
 
 def with_budget(policy: Policy, budget: Any, *, source: str) -> Policy:
     """The policy with scheduler.budget replaced by `budget`, checked as the key would be."""
-    at = _At(source, "budget")
+    at = At(source, "budget")
     value = _budget(budget, at)
     _check_budget_holds_a_chunk(value, policy.pool.chunk_size, at)
     return replace(policy, scheduler=replace(policy.scheduler, budget=value))
 
 
-def _check_budget_holds_a_chunk(budget: int | float | None, chunk_size: int, at: _At) -> None:
+def _check_budget_holds_a_chunk(budget: int | float | None, chunk_size: int, at: At) -> None:
     if isinstance(budget, int) and budget < chunk_size:
         # Usually `budget: 1` meant "all of the device"; as an int it is one byte.
         raise at.error(f"an absolute budget must hold at least one chunk ({chunk_size} bytes)",
@@ -384,7 +292,7 @@ def _check_budget_holds_a_chunk(budget: int | float | None, chunk_size: int, at:
 # ---------------------------------------------------------------- device checks
 def validate_for_device(policy: Policy, device_total_bytes: int) -> None:
     """Refuse settings that cannot fit a device of `device_total_bytes`. Raises PolicyError."""
-    at, total = _At(policy.source), device_total_bytes
+    at, total = At(policy.source), device_total_bytes
     device = f"device memory ({format_size(total)}, {total} bytes)"
     budget = policy.budget_bytes(total)
     if budget is not None and budget > total:
@@ -406,7 +314,6 @@ def validate_for_device(policy: Policy, device_total_bytes: int) -> None:
 def packaged_policies_dir() -> Path:
     """The shipped policies: `um_alloc.policies` when installed, else the checkout's policies/."""
     try:
-        from importlib.resources import files
         packaged = files("um_alloc.policies")
         # Only a real directory will do; a zip or a namespace MultiplexedPath falls through.
         if isinstance(packaged, Path) and packaged.is_dir():

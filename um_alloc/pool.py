@@ -9,8 +9,11 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import torch
+
 from . import _lib
-from .tags import TAGS
+from .stats_fields import PER_TAG, TOTALS
+from .tag_names import TAGS, tag_index
 
 RESIDENCY = ("untouched", "gpu", "host")
 _LOCATIONS = {"none": 0, "gpu": 1, "cpu": 2}
@@ -28,13 +31,6 @@ class BlockInfo:
     residency: str   # where the pool believes its first chunk lives
 
 
-def tag_index(tag: str) -> int:
-    try:
-        return TAGS.index(tag)
-    except ValueError:
-        raise ValueError(f"unknown tag {tag!r}; allowed: {', '.join(TAGS)}") from None
-
-
 def tag_policy_struct(advice) -> _lib.TagPolicyC:
     """A policy.TagAdvice as the C struct the core takes."""
     return _lib.TagPolicyC(
@@ -47,8 +43,6 @@ def tag_policy_struct(advice) -> _lib.TagPolicyC:
 
 
 def _raise_last_error(what: str):
-    import torch
-
     kind, message = _lib.last_error()
     if kind == _lib.ERR_OOM:
         raise torch.OutOfMemoryError(message)
@@ -152,9 +146,8 @@ class ChunkPool:
     def raw_stats(self) -> dict:
         s = _lib.StatsC()
         self._lib.um_pool_stats(self._handle, ctypes.byref(s))
-        out = {f: getattr(s, f) for f in _lib.TOTAL_FIELDS + _lib.RESIDENCY_FIELDS}
-        per_tag = _lib.PER_TAG_FIELDS + ("resident_bytes",)
-        out["tags"] = {tag: {f: getattr(s, f)[i] for f in per_tag} for i, tag in enumerate(TAGS)}
+        out = {f.core: getattr(s, f.core) for f in TOTALS}
+        out["tags"] = {tag: {f.core: getattr(s, f.core)[i] for f in PER_TAG} for i, tag in enumerate(TAGS)}
         return out
 
     def device_live(self) -> tuple[int, int]:
@@ -169,10 +162,11 @@ class ChunkPool:
         self._lib.um_pool_reset_device_peak(self._handle)
 
     def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True,
-                   evict_live: bool = True) -> None:
+                   evict_live: bool = False) -> None:
         """GPU residency budget in bytes (0: none); allocations smaller than min_swap_size stay put.
-        evict_live=False makes it hard: a bound on GPU-backed chunks; nothing is evicted, wholly free
-        arenas are returned, then allocations fail (OOM)."""
+        Hard by default: a bound on GPU-backed chunks; nothing is evicted, wholly free arenas are
+        returned, then allocations fail (OOM). evict_live=True keeps it reactively instead: least
+        recently used chunks move to host memory, and page faults bring them back."""
         self._lib.um_pool_set_budget(self._handle, budget, min_swap_size, int(enabled), int(evict_live))
 
     def budget_enabled(self) -> bool:

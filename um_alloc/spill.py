@@ -13,7 +13,7 @@ operation needs them at once.
 From `module`'s forward to the end of the step's forward, and in backward until the gradient
 reaches `module`'s inputs, allocations of at least `min_size` bytes get the tag "spill". A policy
 places that tag in host memory the GPU maps (preferred_location: cpu, accessed_by: [gpu]), so
-kernels write it over the link at about the link's rate and read it at 21-34 GB/s (DESIGN.md),
+kernels write it over the link at about the link's rate and read it at 21-34 GB/s (on an H200),
 nothing migrates, and it never counts against the budget. Smaller allocations keep their tag:
 the head's weight casts and gradients stay on the GPU, where matmuls read them many times.
 ActivationOffload leaves saved tensors in spilled memory where they are.
@@ -28,8 +28,11 @@ import logging
 
 import torch
 
-from .policy import format_size, host_mapped
-from .tags import _tensors, min_size_arg, tag
+from .install import installation, is_installed
+from .policy import host_mapped
+from .sizes import format_size, positive_size_arg
+from .tags import tag
+from .tensor_trees import tensors
 
 __all__ = ["SpillFrom", "spill_from"]
 log = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ class SpillFrom:
     spill_from() is the checked entry point."""
 
     def __init__(self, module: torch.nn.Module, min_size: int | str):
-        self.min_size = min_size_arg(min_size, "um_alloc.spill_from")  # refused now, not at forward
+        self.min_size = positive_size_arg(min_size, "min_size", "um_alloc.spill_from")  # refused now, not at forward
         self._scope = None             # the open tag("spill", min_size) scope
         self._until_backward = False   # the open scope ends in backward, not with the forward
         self._handles = [module.register_forward_pre_hook(self._forward_starts),
@@ -50,7 +53,7 @@ class SpillFrom:
     def _forward_starts(self, module, args) -> None:
         self._close()  # left open by a step whose backward did not reach here
         self._open()
-        inputs = [t for t in _tensors(args) if t.requires_grad]
+        inputs = [t for t in tensors(args) if t.requires_grad]
         self._until_backward = torch.is_grad_enabled() and bool(inputs)
         if self._until_backward:
             # Backward has passed through `module` once a gradient reaches one of its inputs.
@@ -85,8 +88,6 @@ def spill_from(module: torch.nn.Module, min_size: int | str | None = None) -> Sp
     GPU maps; see the module docstring. min_size defaults to the installed policy's
     scheduler.spill_min_size. Raises ValueError when um_alloc is not installed, when no size is
     given either way, or when the policy does not place the spill tag in host memory."""
-    from .install import installation, is_installed
-
     if not is_installed():
         raise ValueError("um_alloc.spill_from: um_alloc is not installed (call um_alloc.install first); "
                          "without it nothing is spilled")
@@ -101,5 +102,5 @@ def spill_from(module: torch.nn.Module, min_size: int | str | None = None) -> Sp
                              "scheduler.spill_min_size")
     spill = SpillFrom(module, min_size)
     log.info("spilling allocations of at least %s from %s on to host memory",
-                                     format_size(spill.min_size), type(module).__name__)
+             format_size(spill.min_size), type(module).__name__)
     return spill

@@ -25,14 +25,18 @@ from __future__ import annotations
 import weakref
 
 import torch
+from cuda.bindings import runtime as rt
+
+# byte_view is also reached as um_alloc.staging.byte_view; it is defined in byte_views.py.
+from .byte_views import byte_view, device_bytes
+
+__all__ = ["DeviceStage", "byte_view"]
 
 
 class DeviceStage:
     """`slots` buffers of `slot_bytes` of cudaMalloc memory on `device`, which the pool does not own."""
 
     def __init__(self, slot_bytes: int, device: torch.device, slots: int = 1):
-        from cuda.bindings import runtime as rt
-
         if slot_bytes <= 0 or slots < 1:
             raise ValueError(f"DeviceStage: slot_bytes must be > 0 and slots >= 1, got {slot_bytes} and {slots}")
         self.nbytes = slot_bytes * slots
@@ -42,7 +46,7 @@ class DeviceStage:
             raise torch.OutOfMemoryError(f"um_alloc: cudaMalloc of a {self.nbytes}-byte copy stage on {device} "
                                          f"failed with {err.name}")
         self._finalizer = weakref.finalize(self, rt.cudaFree, ptr)
-        buffer = torch.as_tensor(_DeviceArray(int(ptr), self.nbytes), device=device)
+        buffer = device_bytes(ptr, self.nbytes, device)
         self._slots = list(buffer.split(slot_bytes))
         self._drained: list[torch.cuda.Event | None] = [None] * slots  # the slot's last copy to the host
         self._next = 0
@@ -83,19 +87,3 @@ class DeviceStage:
         """Frees the memory now (cudaFree waits for the device); otherwise it goes with the stage."""
         self._slots = []
         self._finalizer()
-
-
-class _DeviceArray:
-    """Device memory described by the CUDA array interface, which torch.as_tensor wraps in place."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "stream": None}
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes a dense tensor spans, as a flat uint8 tensor on the same memory."""
-    nbytes = tensor.numel() * tensor.element_size()
-    start = tensor.storage_offset() * tensor.element_size()
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-        tensor.untyped_storage(), start, (nbytes,), (1,))

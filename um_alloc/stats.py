@@ -8,30 +8,10 @@ from __future__ import annotations
 
 from .device_info import device_memory
 from .install import installation
-from .policy import format_size
 from .pool import ChunkPool
-from .tags import TAGS
-
-# raw core name -> public name, for totals and per tag
-_TOTALS = {
-    "live_bytes_total": "live_bytes", "peak_live_bytes_total": "peak_live_bytes",
-    "reserved_bytes": "reserved_bytes", "peak_reserved_bytes": "peak_reserved_bytes",
-    "max_reserved_bytes": "limit_bytes", "arena_count": "arenas", "chunk_size": "chunk_size",
-    "large_blocks": "large_blocks", "small_blocks": "small_blocks", "small_chunks": "small_chunks",
-    "fragmentation_bytes": "fragmentation_bytes", "internal_waste_bytes": "internal_waste_bytes",
-    "internal_waste_bound_bytes": "internal_waste_bound_bytes", "free_chunk_bytes": "free_chunk_bytes",
-    "largest_free_run_bytes": "largest_free_run_bytes", "num_ooms": "num_ooms",
-    "advise_calls": "advise_calls", "prefetch_calls": "prefetch_calls",
-    "prefetch_bytes": "prefetch_bytes", "stream_waits": "stream_waits", "free_events": "free_events",
-    "backend_errors": "backend_errors", "arena_reserves": "arena_reserves",
-    "arena_releases": "arena_releases", "resident_bytes_total": "resident_bytes",
-    "peak_resident_bytes": "peak_resident_bytes", "resident_free_bytes": "resident_free_bytes",
-    "budget_bytes": "budget_bytes", "min_swap_size": "min_swap_size", "evictions": "evictions",
-    "evicted_bytes": "evicted_bytes", "over_budget_allocations": "over_budget_allocations",
-    "backed_bytes": "gpu_backed_bytes", "peak_backed_bytes": "peak_gpu_backed_bytes",
-}
-_PER_TAG = {"live_bytes": "live_bytes", "peak_live_bytes": "peak_bytes", "held_bytes": "reserved_bytes",
-            "allocations": "allocations", "frees": "frees", "resident_bytes": "resident_bytes"}
+from .sizes import format_size
+from .stats_fields import PER_TAG, TOTALS
+from .tag_names import TAGS
 
 
 def memory_stats(device: int | None = None) -> dict:
@@ -49,12 +29,17 @@ def memory_stats(device: int | None = None) -> dict:
     """
     inst = installation()
     device = inst.device if device is None else device
-    raw = ChunkPool.for_device(device).raw_stats()
-    stats = {public: raw[name] for name, public in _TOTALS.items()}
-    stats["tags"] = {t: {public: raw["tags"][t][name] for name, public in _PER_TAG.items()} for t in TAGS}
+    stats = public_stats(ChunkPool.for_device(device).raw_stats())
     now = device_memory(device)
     stats["device_highwater_bytes"] = None if now is None else now.used_bytes - inst.device_used_at_install
     stats["policy"] = inst.policy.name
+    return stats
+
+
+def public_stats(raw: dict) -> dict:
+    """ChunkPool.raw_stats() under memory_stats()'s names (stats_fields.FIELDS)."""
+    stats = {f.public: raw[f.core] for f in TOTALS}
+    stats["tags"] = {t: {f.public: raw["tags"][t][f.core] for f in PER_TAG} for t in TAGS}
     return stats
 
 

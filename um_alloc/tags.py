@@ -1,18 +1,23 @@
-"""Allocation tags: what kind of data a block holds, so a policy can advise it.
+"""Tagging allocations: scopes that tag what is allocated inside them, and retagging what exists.
 
-The names and their order are the C++ core's `um::Tag` enum (csrc/tags.hpp); the core's loader
-checks that the two agree.
+The tags themselves (TAGS, DEFAULT_TAG) are the vocabulary in tag_names.py; they are also
+importable from here.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator
 
-__all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training"]
+import torch
 
-# spill: the large temporaries of a region marked with um_alloc.spill_from (um_alloc/spill.py)
-TAGS = ("parameter", "gradient", "optimizer_state", "input", "activation", "other", "spill")
-DEFAULT_TAG = "activation"
+from . import _lib
+from .install import installation
+from .pool import ChunkPool
+from .sizes import positive_size_arg
+from .tag_names import DEFAULT_TAG, TAGS, tag_index
+from .tensor_trees import tensors
+
+__all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training"]
 
 
 @contextlib.contextmanager
@@ -26,32 +31,19 @@ def tag(name: str, min_size: int | str | None = None) -> Iterator[None]:
     The scope is process-wide, not per thread: autograd runs backward on its own threads and
     its allocations must see the tag too. Nested scopes restore the outer tag on exit.
     """
-    from . import _lib
-    from .pool import tag_index
-
     lib = _lib.load()
     index = tag_index(name)
     if min_size is None:
         restore, previous = lib.um_set_current_tag, (lib.um_current_tag(),)
         lib.um_set_current_tag(index)
     else:
-        smallest = min_size_arg(min_size, "um_alloc.tag")
+        smallest = positive_size_arg(min_size, "min_size", "um_alloc.tag")
         restore, previous = lib.um_set_large_tag, (lib.um_large_tag(), lib.um_large_tag_min())
         lib.um_set_large_tag(index, smallest)
     try:
         yield
     finally:
         restore(*previous)
-
-
-def min_size_arg(value: int | str, source: str) -> int:
-    """A large-allocation scope's smallest size: bytes > 0, or a size like "256MiB"."""
-    from .policy import size_arg
-
-    smallest = size_arg(value, "min_size", source)
-    if smallest == 0:
-        raise ValueError(f"{source}: min_size must be > 0 bytes")
-    return smallest
 
 
 def retag(obj: Any, name: str) -> int:
@@ -62,15 +54,10 @@ def retag(obj: Any, name: str) -> int:
     of a model's gradients every step costs microseconds, not a call per tensor.
     Returns the number of allocations retagged.
     """
-    import torch
-
-    from .install import installation
-    from .pool import ChunkPool, tag_index
-
     installation()  # raises a clear error when um_alloc is not installed
     tag_index(name)
     by_device: dict[int, set[int]] = {}
-    for t in _tensors(obj):
+    for t in tensors(obj):
         if t.is_cuda and t.untyped_storage().nbytes():
             by_device.setdefault(t.device.index, set()).add(t.untyped_storage().data_ptr())
     for device, bases in by_device.items():
@@ -138,19 +125,3 @@ def _state_count(optimizer) -> int:
 def tag_training(model, optimizer) -> TrainingTags:
     """The common case: tags parameters, gradients and optimizer state, now and as they appear."""
     return TrainingTags(model, optimizer)
-
-
-def _tensors(obj: Any) -> Iterator[Any]:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "items"):  # BatchEncoding and other mappings
-        for _, v in obj.items():
-            yield from _tensors(v)

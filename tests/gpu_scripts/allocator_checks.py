@@ -131,8 +131,9 @@ def check_empty_cache_and_stats():
 
 
 def check_lms_controls():
-    """The LMS-style functions read and write the pool's budget settings."""
-    um_alloc.install("none.yaml")
+    """The LMS-style functions read and write the pool's budget settings (here the reactive mode's,
+    which evicts to keep 128 MiB of tensors under a 64 MiB limit)."""
+    um_alloc.install({"scheduler": {"evict_live": True}})
     before = (um_alloc.get_enabled_lms(), um_alloc.get_limit_lms(), um_alloc.get_size_lms())
     um_alloc.set_limit_lms("64MiB")
     um_alloc.set_size_lms(2 * MiB)
@@ -141,7 +142,8 @@ def check_lms_controls():
     stats = um_alloc.memory_stats()
     um_alloc.set_enabled_lms(False)
     return {"before": before, "after": [um_alloc.get_enabled_lms(), um_alloc.get_limit_lms(), um_alloc.get_size_lms()],
-            "evictions": stats["evictions"], "resident": stats["resident_bytes"], "tensors": len(tensors)}
+            "evictions": stats["evictions"], "resident": stats["resident_bytes"], "tensors": len(tensors),
+            "installation_budget": um_alloc.installation().budget}
 
 
 def check_install_after_cuda():

@@ -18,14 +18,6 @@ MiB = 1 << 20
 SIZE = 64 * MiB
 
 
-class CudaArray:
-    """A raw device pointer as __cuda_array_interface__, so torch can run kernels over it."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
 def ok(result, what: str):
     from cuda.bindings import runtime as rt
 
@@ -62,10 +54,12 @@ def main() -> None:
     import torch
     from cuda.bindings import runtime as rt
 
+    from um_alloc.byte_views import device_bytes
+
     ptr = ok(rt.cudaMallocManaged(SIZE, rt.cudaMemAttachGlobal), "cudaMallocManaged")
     host = np.ctypeslib.as_array((ctypes.c_uint8 * SIZE).from_address(ptr))
     host[:] = 1                                   # first touch on the CPU: the pages live on the host
-    device = torch.as_tensor(CudaArray(ptr, SIZE), device="cuda")
+    device = device_bytes(ptr, SIZE, "cuda")     # torch runs kernels over the managed pages
     counters.start_steps()
 
     device.add_(1)                                # step 0: the GPU faults the pages in

@@ -2,11 +2,10 @@
 
 Deterministic algorithms and fp32, so the stock allocator and um_alloc must give the same
 losses: the allocator changes where tensors live, never what is computed.
-Run: python tests/gpu_scripts/train_tiny.py {stock|um} POLICY STEPS [MAX_RESERVED|none] [BUDGET] [planned]
-With BUDGET, the policy's scheduler.budget is set to it (the reactive mode keeps residency under it);
-with planned, the out-of-core scheduler traces step 1 and replays its plan from step 2 on.
+Run: python tests/gpu_scripts/train_tiny.py {stock|um} POLICY STEPS [MAX_RESERVED|none] [BUDGET] [reactive]
+With BUDGET, the policy's scheduler.budget is set to it; with reactive, the policy also asks for
+evict_live: true, and least recently used chunks leave the GPU to keep residency under it.
 """
-import contextlib
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import um_alloc  # noqa: E402
 
 
 def main(allocator: str, policy: str, steps: int, max_reserved: str | None, budget: str | None,
-         planned: bool = False) -> dict:
+         reactive: bool = False) -> dict:
     if allocator == "um":
         if budget is not None:
             import yaml
@@ -26,7 +25,7 @@ def main(allocator: str, policy: str, steps: int, max_reserved: str | None, budg
             settings = yaml.safe_load(um_alloc.policy.resolve_policy_path(policy).read_text()) or {}
             scheduler = settings.setdefault("scheduler", {})
             scheduler["budget"] = budget
-            if planned:  # the trace/plan/replay scheduler runs over the reactive budget
+            if reactive:
                 scheduler.update(evict_live=True, offload_activations=False)
             policy = settings
         um_alloc.install(policy, max_reserved=max_reserved)
@@ -43,20 +42,14 @@ def main(allocator: str, policy: str, steps: int, max_reserved: str | None, budg
         um_alloc.tag_training(model, opt)
     gen = torch.Generator().manual_seed(1)
     losses = []
-    scheduler = None
-    if planned:
-        from um_alloc.scheduler.execute import OutOfCoreScheduler
-
-        scheduler = OutOfCoreScheduler(model, um_alloc.memory_stats()["budget_bytes"], reserve=0.3)
     for _ in range(steps):
         ids = torch.randint(5, config.vocab_size, (16, 128), generator=gen)
         labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, -100)
         ids, labels = ids.cuda(), labels.cuda()
         if allocator == "um":
             um_alloc.retag((ids, labels), "input")
-        with scheduler.step() if scheduler else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -68,10 +61,8 @@ def main(allocator: str, policy: str, steps: int, max_reserved: str | None, budg
                    backend_errors=stats["backend_errors"], evictions=stats["evictions"],
                    evicted_bytes=stats["evicted_bytes"], peak_resident=stats["peak_resident_bytes"],
                    highwater=stats["device_highwater_bytes"], budget=stats["budget_bytes"],
-                   over_budget_allocations=stats["over_budget_allocations"])
-    if scheduler is not None:
-        out.update(plan_out_bytes=scheduler.plan.swap_out_bytes, diverged=scheduler.last.diverged,
-                   replay_bytes_out=scheduler.last.bytes_out, replay_bytes_in=scheduler.last.bytes_in)
+                   over_budget_allocations=stats["over_budget_allocations"],
+                   evicts_live=um_alloc.ChunkPool.for_device(0).budget_evicts_live())
     return out
 
 
@@ -79,4 +70,4 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     max_reserved = args[3] if len(args) > 3 and args[3] != "none" else None
     print(json.dumps(main(args[0], args[1], int(args[2]), max_reserved, args[4] if len(args) > 4 else None,
-                          len(args) > 5 and args[5] == "planned")))
+                          len(args) > 5 and args[5] == "reactive")))

@@ -12,28 +12,12 @@ into the same table.
 
 Any script, unchanged: ``python -m um_alloc.profile your_script.py ARGS`` (steps are marked
 after every ``optimizer.step()``). The BERT example: ``--profile``, or ``UM_PROFILE=1``.
-Nothing here imports cupti, torch or matplotlib until it is used.
+Nothing here imports cupti or matplotlib until it is used.
 """
 from __future__ import annotations
 
-import os
-
 from .aggregate import CAUSE_ORDER, COUNTER_FIELDS, StepCounts, per_step, totals
-from .um_counters import CountersUnavailable, UMCounters, active
+from .um_counters import ENV_FLAG, CountersUnavailable, UMCounters, active, env_enabled, mark_step
 
-__all__ = ["UMCounters", "CountersUnavailable", "active", "mark_step", "env_enabled",
+__all__ = ["UMCounters", "CountersUnavailable", "active", "mark_step", "env_enabled", "ENV_FLAG",
            "COUNTER_FIELDS", "CAUSE_ORDER", "StepCounts", "per_step", "totals"]
-
-ENV_FLAG = "UM_PROFILE"
-
-
-def env_enabled() -> bool:
-    """True when UM_PROFILE is set to anything but "", 0, false, no or off."""
-    return os.environ.get(ENV_FLAG, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def mark_step() -> None:
-    """Ends a step of the running session, if there is one (a no-op otherwise)."""
-    session = active()
-    if session is not None:
-        session.mark_step()

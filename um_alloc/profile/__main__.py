@@ -17,6 +17,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from . import aggregate
 from .tables import counts_line
 from .um_counters import UMCounters
@@ -34,8 +36,6 @@ def parse_args(argv):
 
 
 def _mark_on_optimizer_steps(counters: UMCounters):
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: counters.mark_step())
 
 

@@ -32,7 +32,7 @@ COUNTER_KINDS = {1: "BYTES_TRANSFER_HTOD", 2: "BYTES_TRANSFER_DTOH", 3: "CPU_PAG
                  8: "BYTES_TRANSFER_DTOD"}
 
 # CUpti_ActivityUnifiedMemoryMigrationCause -> our column name. CUPTI's names are not ours:
-# USER is an explicit cudaMemPrefetchAsync (what um_alloc and the scheduler issue), COHERENCE is
+# USER is an explicit cudaMemPrefetchAsync (what um_alloc issues), COHERENCE is
 # a CPU or GPU page fault, and PREFETCH is the driver's own speculative migration around a fault.
 MIGRATION_CAUSES = {0: "unknown", 1: "prefetch", 2: "fault", 3: "speculative", 4: "eviction",
                     5: "access_counters"}

@@ -16,11 +16,11 @@ CAUSE_COLORS = {"fault": "#d62728", "prefetch": "#2ca02c", "speculative": "#ff7f
                 "eviction": "#9467bd", "access_counters": "#8c564b", "unknown": "#7f7f7f"}
 TAG_COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer_state": "#2ca02c",
               "input": "#9467bd", "activation": "#d62728", "other": "#7f7f7f", "spill": "#bcbd22",
-              "all": "#17becf"}  # every tag of um_alloc.tags.TAGS (tests check), and the total
+              "all": "#17becf"}  # every tag of um_alloc.tag_names.TAGS (tests check), and the total
 
 
 def _figure(width: float = 8.0, height: float = 4.5):
-    try:
+    try:  # optional (um_alloc[plot]): tables and timelines' data need no matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:

@@ -6,15 +6,23 @@
 
 Samples are taken on the CPU: before and after each leaf module's forward, when autograd
 reaches each leaf module's output in backward, and around optimizer.step(). Each reads
-um_alloc.memory_stats() per tag: "resident_bytes" where the allocator reports it (the
-scheduler adds it), else "live_bytes". Fault times are CUPTI's GPU timestamps on the same
+um_alloc.memory_stats() per tag: "resident_bytes" where the allocator reports it, else
+"live_bytes". Fault times are CUPTI's GPU timestamps on the same
 clock; the GPU runs behind the CPU, so faults appear later than the module that caused them.
 """
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable
+
+import torch
+
+from ..install import installation, is_installed
+from ..stats import memory_stats
+from ..tag_names import TAGS
+from .charts import timeline_chart
 
 Sampler = Callable[[], dict]
 
@@ -33,8 +41,6 @@ class StepTimeline:
     def now(self) -> int:
         if self.counters is not None:
             return self.counters.now()
-        import time
-
         return time.perf_counter_ns()
 
     def sample(self, label: str, phase: str | None = None) -> None:
@@ -115,8 +121,6 @@ class StepTimeline:
     def save(self, png_path: str | Path) -> dict:
         """Writes a JSON of the data beside the PNG, then the PNG; returns both paths. Without
         matplotlib the JSON is still written and "error" says why there is no picture."""
-        from .charts import timeline_chart
-
         data = self.result()
         json_path = Path(png_path).with_suffix(".json")
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,28 +136,22 @@ class StepTimeline:
 
 def default_sampler() -> tuple[Sampler, str]:
     """um_alloc's bytes per tag; the stock allocator's total; or nothing (CPU)."""
-    import torch
-
-    import um_alloc
-
-    if um_alloc.is_installed():
-        first = um_alloc.memory_stats()["tags"]
+    if is_installed():
+        first = memory_stats()["tags"]
         key = "resident_bytes" if all("resident_bytes" in v for v in first.values()) else "live_bytes"
-        return (lambda: {t: v[key] for t, v in um_alloc.memory_stats()["tags"].items()}), key
+        return (lambda: {t: v[key] for t, v in memory_stats()["tags"].items()}), key
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return (lambda: {"all": torch.cuda.memory_allocated()}), "torch.cuda.memory_allocated"
     return (lambda: {}), "no GPU memory statistics"
 
 
 def default_budget() -> tuple[int | None, str | None]:
-    """The scheduler's budget when the policy sets one, else a pool cap that was asked for
+    """The GPU budget (installation().budget) when there is one, else a pool cap that was asked for
     (--memory-limit, pool.max_reserved); the automatic cap (free memory - margin) says nothing."""
-    import um_alloc
-
-    if not um_alloc.is_installed():
+    if not is_installed():
         return None, None
-    inst = um_alloc.installation()
-    budget = inst.policy.budget_bytes(inst.device_total)
+    inst = installation()
+    budget = inst.budget
     if budget:
         return budget, "scheduler.budget"
     automatic = inst.device_free_at_install - inst.policy.pool.reserve_margin
@@ -163,8 +161,6 @@ def default_budget() -> tuple[int | None, str | None]:
 
 
 def _first_tensor(output):
-    import torch
-
     if isinstance(output, torch.Tensor):
         return output
     values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
@@ -172,6 +168,4 @@ def _first_tensor(output):
 
 
 def _tag_order(tag: str) -> tuple[int, str]:
-    from ..tags import TAGS
-
     return (TAGS.index(tag) if tag in TAGS else len(TAGS), tag)

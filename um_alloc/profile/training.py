@@ -12,9 +12,10 @@ sampling slows one timed step out of many (the median ignores it).
 """
 from __future__ import annotations
 
-from . import aggregate, env_enabled
+from . import aggregate
 from .tables import counts_line
-from .um_counters import UMCounters
+from .timeline import StepTimeline
+from .um_counters import UMCounters, env_enabled
 
 PROTOCOL_COUNTERS = ("gpu_page_faults", "cpu_page_faults", "htod_bytes", "dtoh_bytes")
 
@@ -45,8 +46,6 @@ class TrainingProfiler:
             nonlocal calls
             calls += 1
             if self.timeline_path and calls == steps:
-                from .timeline import StepTimeline
-
                 with StepTimeline(model, optimizer, counters=self.counters, step=calls - 1) as timeline:
                     loss = step_fn(batch)
                 self._timeline = timeline

@@ -34,6 +34,8 @@ from .aggregate import COUNTER_FIELDS, COUNTER_KINDS, MIGRATION_CAUSES, StepCoun
 
 log = logging.getLogger("um_alloc.profile")
 
+ENV_FLAG = "UM_PROFILE"
+
 BUFFER_BYTES = 8 << 20         # per activity buffer handed to CUPTI (the samples' size)
 _CORE_KINDS = ("BYTES_TRANSFER_HTOD", "BYTES_TRANSFER_DTOH", "CPU_PAGE_FAULT_COUNT", "GPU_PAGE_FAULT")
 _EXTRA_FIELDS = {"THRASHING": ("thrashing_events", "thrashing_bytes"),
@@ -260,6 +262,18 @@ def active() -> UMCounters | None:
     return _active
 
 
+def mark_step() -> None:
+    """Ends a step of the running session, if there is one (a no-op otherwise)."""
+    session = active()
+    if session is not None:
+        session.mark_step()
+
+
+def env_enabled() -> bool:
+    """True when UM_PROFILE is set to anything but "", 0, false, no or off."""
+    return os.environ.get(ENV_FLAG, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _record(activity) -> dict:
     kind = int(activity.counter_kind)
     return {"kind": COUNTER_KINDS.get(kind, f"KIND_{kind}"), "value": int(activity.value),
@@ -269,7 +283,7 @@ def _record(activity) -> dict:
 
 
 def _import_cupti():
-    try:
+    try:  # optional (um_alloc[profile]): imported only when counters start
         from cupti import cupti
     except ImportError as error:
         raise _Unavailable(f"cupti-python is not installed ({error}); pip install 'um_alloc[profile]' "
@@ -279,7 +293,7 @@ def _import_cupti():
 
 def _init_driver(device: int) -> None:
     """cuInit (no context yet, so um_alloc.install() may still follow) and a device check."""
-    try:
+    try:  # imported here: bindings that do not load make the counters unavailable, not this module
         from cuda.bindings import driver
         (err,) = driver.cuInit(0)
         if err != driver.CUresult.CUDA_SUCCESS:

@@ -1,0 +1,61 @@
+"""Tensors in nested containers: a batch, a model's outputs, a list of gradients.
+
+A tree is a tensor, or a mapping (dict, BatchEncoding and other objects with ``items()``),
+tuple or list of trees. One walk serves retagging, spilling and micro-batching; the micro-batch
+code asks for paths ("batch['labels']") and for every leaf to be a tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+__all__ = ["tensor_leaves", "tensors", "map_tensors"]
+
+
+def tensor_leaves(tree: Any, path: str | None = None, *,
+                  strict: bool = False) -> Iterator[tuple[str | None, torch.Tensor]]:
+    """(path, tensor) for each tensor in `tree`, depth first, in the containers' order.
+
+    `path` names the root ("batch"); each leaf's path extends it with keys and indices. None
+    builds no paths (retagging every step need not pay for them). Other leaves are skipped, or
+    with `strict` raise TypeError naming the first one.
+    """
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif _is_mapping(tree):
+        for key, value in tree.items():
+            yield from tensor_leaves(value, None if path is None else f"{path}[{key!r}]", strict=strict)
+    elif isinstance(tree, (tuple, list)):
+        for index, value in enumerate(tree):
+            yield from tensor_leaves(value, None if path is None else f"{path}[{index}]", strict=strict)
+    elif strict:
+        raise TypeError(f"{path or 'a leaf'} is a {type(tree).__name__}; a batch holds only tensors, "
+                        "in (nested) tuples, lists and dicts")
+
+
+def tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors in `tree`; other leaves are skipped."""
+    return (tensor for _, tensor in tensor_leaves(tree))
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """Applies fn to every tensor, keeping the container types (dict subclasses, namedtuples).
+    Raises TypeError for a leaf that is not a tensor."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if _is_mapping(tree):
+        items = {key: map_tensors(fn, value) for key, value in tree.items()}
+        try:
+            return type(tree)(items)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return items
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(map_tensors(fn, value) for value in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors(fn, value) for value in tree)
+    raise TypeError(f"a batch holds only tensors, got a {type(tree).__name__}")
+
+
+def _is_mapping(tree: Any) -> bool:
+    return isinstance(tree, Mapping) or hasattr(tree, "items")
