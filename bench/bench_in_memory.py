@@ -1,19 +1,21 @@
 """um_alloc vs PyTorch's allocator when everything fits in GPU memory.
 
-Issue target: BERT-Large MLM, batch 32, seq 512, bf16, um_alloc with best.yaml >= 0.98x stock.
-Runs alternate (stock, um best, um none, stock, ...) for --rounds rounds so slow drift of the
+BERT-Large MLM, batch 32, seq 512, bf16: stock PyTorch, um_alloc with best.yaml and with
+none.yaml. What um_alloc costs where nothing needs to leave the GPU. Runs alternate (stock, um best, um none, stock, ...) for --rounds rounds so slow drift of the
 GPU's clocks hits every method alike; each method's figure is the median over its rounds of
 the per-run median step time.
 
     python bench/bench_in_memory.py                 # full: batch 32, 20 steps, 2 rounds
     python bench/bench_in_memory.py --quick         # a smoke run: batch 8, 6 steps, 1 round
+
+Writes bench/results/in_memory_b<batch>_<method>.json, one run_id across them.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 
-from common import protocol_record, run_train, write_result
+from harness import Run, new_run_id, protocol_record, run_train, write_result
 
 METHODS = (("stock", None), ("um", "best.yaml"), ("um", "none.yaml"))
 
@@ -33,6 +35,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    run_id = new_run_id("bench_in_memory")
     runs: dict[tuple, list[dict]] = {m: [] for m in METHODS}
     for r in range(args.rounds):
         for allocator, policy in METHODS:
@@ -41,14 +44,14 @@ def main():
                           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup-steps", "3"]
             if policy:
                 train_args += ["--policy", policy]
-            summary = run_train(train_args)
+            summary, _, _ = run_train(Run(f"{allocator}-{policy or 'stock'}", "", train_args), 900)
             if summary:
                 runs[(allocator, policy)].append(summary)
                 print(f"  {summary['samples_per_s']:.2f} samples/s, step {summary['step_s_median'] * 1e3:.1f} ms")
-    report(runs, args)
+    report(runs, args, run_id)
 
 
-def report(runs, args):
+def report(runs, args, run_id: str):
     stock_runs = runs[("stock", None)]
     if not stock_runs:
         raise SystemExit("the stock runs failed: no baseline to compare with")
@@ -60,12 +63,11 @@ def report(runs, args):
             continue
         step_s = statistics.median(s["step_s_median"] for s in summaries)
         last = summaries[-1]
-        record = protocol_record(last, stock_samples_per_s=stock_sps, budget_bytes=None,
+        record = protocol_record(last, run_id=run_id, stock_samples_per_s=stock_sps, budget_bytes=None,
+                                 step_s_median=step_s, samples_per_s=args.batch_size / step_s,
+                                 ratio_vs_stock=args.batch_size / step_s / stock_sps,
                                  step_s_rounds=[s["step_s_median"] for s in summaries],
                                  peak_reserved_bytes=last.get("peak_reserved_bytes"))
-        record["step_s_median"] = step_s
-        record["samples_per_s"] = args.batch_size / step_s
-        record["ratio_vs_stock"] = record["samples_per_s"] / stock_sps
         name = f"in_memory_b{args.batch_size}_{allocator}" + (f"_{policy.removesuffix('.yaml')}" if policy else "")
         write_result(name, record)
         peak = (last.get("peak_reserved_bytes") or 0) / 2**30

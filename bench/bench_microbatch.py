@@ -11,23 +11,17 @@
     read and written over the link by the optimizer step, so the micro-batches get their room.
     --cap-policy adds a run that uses the limit as the pool's reserve cap instead (all resident).
 Both run here, one after the other on the same GPU; each writes a JSON into bench/results/ with
-the fields of DESIGN.md's benchmark protocol. The external check is NVML's device memory in use,
-end minus start: a high-water mark of what each process held on the GPU.
+the fields of DESIGN.md's benchmark protocol, one run_id across them. The external check is NVML's
+device memory in use, end minus start: a high-water mark of what each process held on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "bert_example" / "train.py"
-EXIT_OOM = 3  # bert_example/train.py's exit status for out of memory
+from harness import RESULTS, ROOT, Run, largest_batch, new_run_id, protocol_record, run_train, write_result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", default="auto",
                    help="um_alloc micro-batch sizes to run, comma-separated: auto and/or numbers (default auto)")
     p.add_argument("--quick", action="store_true", help="a short run to check the set-up")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     args.mini_batch = args.mini_batch or (64 if args.quick else 256)
     args.steps = args.steps or (4 if args.quick else 10)
@@ -61,18 +55,12 @@ def train(args, allocator: str, batch: int, steps: int, warmup: int, extra=()) -
     """One train.py run in a subprocess; its summary, or None if it ran out of memory.
     `extra` carries the limit for um_alloc runs; stock runs get --memory-limit."""
     limit = ["--memory-limit", args.memory_limit] if allocator == "stock" else []
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "summary.json"
-        command = [sys.executable, str(TRAIN), "--model", "large", "--seq-len", str(args.seq_len),
-                   "--allocator", allocator, *limit, "--batch-size", str(batch),
-                   "--steps", str(steps), "--warmup-steps", str(warmup), "--json", str(out), *extra]
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
-        if proc.returncode == EXIT_OOM:
-            return None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed with exit status {proc.returncode}:\n"
-                               f"{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    train_args = ["--model", "large", "--seq-len", str(args.seq_len), "--allocator", allocator, *limit,
+                  "--batch-size", str(batch), "--steps", str(steps), "--warmup-steps", str(warmup), *extra]
+    summary, status, note = run_train(Run(f"{allocator} b{batch}", "", train_args), 1800)
+    if status not in ("ok", "oom"):
+        raise RuntimeError(f"train.py {' '.join(train_args)}: {status}: {note}")
+    return summary
 
 
 def _line(label: str, summary: dict | None) -> str:
@@ -84,35 +72,34 @@ def _line(label: str, summary: dict | None) -> str:
             f"{gib(summary['device_used_delta_bytes'])}, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
 
 
-def largest_batch(args, allocator: str, start: int, limit: int, probe_steps: int = 2, extra=()) -> int:
-    """Doubles from `start` until a batch runs out of memory (halving if the start already does),
-    then binary-searches between the largest fit and the smallest failure; at most `limit`."""
-    fits, fails, batch = 0, None, start
-    while fails is None or fails - fits > 1:
+def search(args, allocator: str, start: int, limit: int, probe_steps: int = 2, extra=()) -> int:
+    """The largest batch that trains `probe_steps` steps (harness.largest_batch: each probe a run
+    of its own, so an out-of-memory never poisons the next probe)."""
+    def probe(batch: int) -> bool:
         summary = train(args, allocator, batch, steps=probe_steps, warmup=probe_steps - 1, extra=extra)
         print(_line(f"[{allocator} probe] batch {batch}", summary), flush=True)
-        if summary is not None:
-            fits = batch
-        else:
-            fails = batch
-        if fails is None and fits >= limit:
-            break
-        batch = min(fits * 2, limit) if fails is None else (fits + fails) // 2
-        if batch == 0:
-            raise RuntimeError(f"{allocator} cannot train even batch 1 in {args.memory_limit}")
+        return summary is not None
+
+    fits = largest_batch(probe, start, limit)
+    if fits == 0:
+        raise RuntimeError(f"{allocator} cannot train even batch 1 in {args.memory_limit}")
     return fits
 
 
-def run_stock(args) -> dict:
-    batch = largest_batch(args, "stock", args.stock_start, args.stock_max)
-    while True:  # a longer run can still fail right at the edge: step down
-        summary = train(args, "stock", batch, args.steps, args.warmup_steps)
-        print(_line(f"[stock] batch {batch}", summary), flush=True)
+def timed_run(args, allocator: str, batch: int, extra=()) -> dict:
+    """The timed run of `batch`, the largest a probe fitted; a longer run can still fail right at
+    the edge, so it steps down until one fits."""
+    while batch > 0:
+        summary = train(args, allocator, batch, args.steps, args.warmup_steps, extra)
+        print(_line(f"[{allocator}] batch {batch}, {args.steps} steps", summary), flush=True)
         if summary is not None:
             return summary
         batch -= 1
-        if batch == 0:
-            raise RuntimeError("stock PyTorch fitted a probe but no timed run")
+    raise RuntimeError(f"{allocator}: a probe fitted but no {args.steps}-step run did")
+
+
+def run_stock(args) -> dict:
+    return timed_run(args, "stock", search(args, "stock", args.stock_start, args.stock_max))
 
 
 def run_um(args, policy: str, limit_as: str, micro: str) -> dict | None:
@@ -129,26 +116,21 @@ def run_um(args, policy: str, limit_as: str, micro: str) -> dict | None:
     return summary
 
 
-def result(summary: dict, stock_samples_per_s: float) -> dict:
+def result(summary: dict, stock_samples_per_s: float, run_id: str) -> dict:
     """A summary of train.py in DESIGN.md's benchmark-protocol form."""
-    return {
-        "device": summary["device"], "date": summary["date"], "workload": summary["workload"],
-        "method": summary["method"] + ("+microbatch" if summary["micro_batch"] else ""),
-        "policy": summary["policy"], "batch": summary["batch"], "micro_batch": summary["micro_batch"],
-        "limit_as": summary.get("limit_as", "memory_fraction"),
-        "budget_bytes": summary["memory_limit_bytes"] or summary.get("budget_bytes"),
-        "step_s_median": summary["step_s_median"],
-        "samples_per_s": summary["samples_per_s"],
-        "ratio_vs_stock": summary["samples_per_s"] / stock_samples_per_s,
-        "highwater_bytes": summary["device_used_delta_bytes"], "peak_reserved_bytes": summary["peak_reserved_bytes"],
-        "pool_peak_gpu_backed_bytes": (summary.get("memory_stats") or {}).get("peak_gpu_backed_bytes"),
-        "gpu_page_faults": None, "htod_bytes": None, "dtoh_bytes": None,  # profiling not built yet
-        "loss_first": summary["loss_first"], "loss_last": summary["loss_last"], "steps": summary["steps"],
-    }
+    return protocol_record(
+        summary, run_id=run_id, stock_samples_per_s=stock_samples_per_s,
+        budget_bytes=summary["memory_limit_bytes"] or summary.get("budget_bytes"),
+        method=summary["method"] + ("+microbatch" if summary["micro_batch"] else ""),
+        micro_batch=summary["micro_batch"], limit_as=summary.get("limit_as", "memory_fraction"),
+        peak_reserved_bytes=summary["peak_reserved_bytes"],
+        pool_peak_gpu_backed_bytes=(summary.get("memory_stats") or {}).get("peak_gpu_backed_bytes"),
+        steps=summary["steps"])
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    run_id = new_run_id("bench_microbatch")
     print(f"micro-batch bench: BERT-Large seq {args.seq_len} bf16, limit {args.memory_limit}, "
           f"{args.steps} steps ({args.warmup_steps} warm-up)", flush=True)
     stock = run_stock(args)
@@ -156,23 +138,21 @@ def main(argv=None) -> list[dict]:
     if args.cap_policy:
         ums.append(run_um(args, args.cap_policy, "cap", "auto"))
     ums = [summary for summary in ums if summary is not None]
-    results = [result(s, stock["samples_per_s"]) for s in (stock, *ums)]
-    args.out.mkdir(parents=True, exist_ok=True)
+    results = [result(s, stock["samples_per_s"], run_id) for s in (stock, *ums)]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     for entry in results:
         method = entry["method"].replace("+", "_")  # file names that travel: letters, digits, . _ -
         if entry["policy"]:
             method += f"-{Path(entry['policy']).stem}-{entry['limit_as']}-micro{entry['micro_batch']}"
-        path = args.out / f"microbatch-{method}-{stamp}.json"
-        path.write_text(json.dumps(entry, indent=2) + "\n")
-        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+        path = write_result(f"microbatch-{method}-{stamp}", entry, args.out)
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     print(f"\n{'method':<22}{'policy':<22}{'limit as':<16}{'batch':>7}{'micro':>7}{'samples/s':>11}"
           f"{'vs stock':>10}{'high-water':>12}")
     for entry in results:
         print(f"{entry['method']:<22}{str(entry['policy'] or '-'):<22}{entry['limit_as']:<16}{entry['batch']:>7}"
               f"{str(entry['micro_batch'] or '-'):>7}{entry['samples_per_s']:>11.1f}{entry['ratio_vs_stock']:>10.2f}"
               f"{(entry['highwater_bytes'] or 0) / 2**30:>10.2f} G")
-    print(f"on {stock['device']}, {stock['date']}")
+    print(f"on {stock['device']}, {stock['date']}, run_id {run_id}")
     return results
 
 

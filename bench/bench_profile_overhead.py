@@ -4,28 +4,27 @@ Runs alternate (plain, profiled, plain, profiled, ...) for --rounds rounds per p
 drift hits both alike; each side's figure is the median over its rounds of the per-run median
 step time, and the overhead is profiled / plain - 1. The cost grows with the number of
 unified-memory records CUPTI hands over: in memory (best, none) there are few after the first
-step; under a residency budget the scheduler evicts and faults bring pages back, many records a
-step. Records per step are reported beside each ratio.
+step; under a reactive budget (--budget: the policies' copies say evict_live: true) live chunks
+are evicted and faults bring them back, many records a step. Records per step are reported
+beside each ratio.
 
     python bench/bench_profile_overhead.py                       # best and none in memory, batch 8
     python bench/bench_profile_overhead.py --policies none.yaml --budget 8GiB --name profile_overhead_budget
     python bench/bench_profile_overhead.py --quick               # tiny model, 1 round: a smoke run
 
-Writes bench/results/profile_overhead.json (--name changes the file name).
+Writes bench/results/profile_overhead.json (--name changes the file name), its runs' records
+sharing one run_id.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-import yaml
-from common import ROOT, protocol_record, run_train, write_result
-
-sys.path.insert(0, str(ROOT))  # um_alloc from this checkout
+from harness import (Run, new_run_id, protocol_record, raw_policy, run_train, with_scheduler, write_policy,
+                     write_result)
 
 
 def parse_args(argv=None):
@@ -37,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--memory-limit", metavar="SIZE", help="train.py --memory-limit for every run")
-    p.add_argument("--budget", metavar="SIZE", help="scheduler.budget added to every policy (a fault-heavy case)")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="scheduler.budget and evict_live: true added to every policy (a fault-heavy case)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--name", default="profile_overhead", help="result file name under bench/results/")
     p.add_argument("--quick", action="store_true", help="tiny model, seq 128, 6 steps, 1 round")
@@ -55,14 +55,9 @@ def train_args(args, policy: str, profile: bool) -> list[str]:
 
 
 def with_budget(policy: str, budget: str, directory: Path) -> str:
-    """A copy of `policy` with scheduler.budget set, as a file train.py --policy can read."""
-    from um_alloc.policy import resolve_policy_path
-
-    data = yaml.safe_load(resolve_policy_path(policy).read_text()) or {}
-    data["scheduler"] = {**data.get("scheduler", {}), "budget": budget}
-    path = directory / f"{Path(policy).stem}_budget.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return str(path)
+    """A copy of `policy` under a reactive budget, as a file train.py --policy can read."""
+    data = with_scheduler(raw_policy(policy), budget=budget, evict_live=True)
+    return str(write_policy(directory, f"{Path(policy).stem}_budget", data, f"{policy}, reactive budget {budget}"))
 
 
 def measure(args) -> dict[str, dict[bool, list[dict]]]:
@@ -73,7 +68,8 @@ def measure(args) -> dict[str, dict[bool, list[dict]]]:
         for policy in args.policies:
             for profile in (False, True):
                 print(f"round {r + 1}/{args.rounds}: {policy} {'--profile' if profile else 'plain'}", flush=True)
-                summary = run_train(train_args(args, files[policy], profile))
+                run = Run(f"{policy}{' profiled' if profile else ''}", "", train_args(args, files[policy], profile))
+                summary, _, _ = run_train(run, 900)
                 if summary:
                     runs[policy][profile].append(summary)
                     print(f"  step {summary['step_s_median'] * 1e3:.1f} ms", flush=True)
@@ -99,14 +95,15 @@ def summarize_policy(sides: dict[bool, list[dict]]) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    run_id = new_run_id("bench_profile_overhead")
     runs = measure(args)
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": None,
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_id": run_id, "device": None,
               "config": {k: getattr(args, k) for k in ("model", "batch_size", "seq_len", "steps", "warmup_steps",
                                                        "memory_limit", "budget", "rounds")},
               "per_policy": {}, "runs": []}
     budget_bytes = None
     if args.budget:
-        from um_alloc.policy import parse_size
+        from um_alloc.sizes import parse_size
 
         budget_bytes = parse_size(args.budget, key="--budget", source="command line")
     print(f"\n{'policy':<14}{'plain ms':>10}{'profiled ms':>13}{'ratio':>8}{'records/step':>14}")
@@ -116,7 +113,7 @@ def main(argv=None) -> None:
         for profile, summaries in sides.items():
             for s in summaries:
                 result["device"] = s["device"]
-                result["runs"].append(protocol_record(s, stock_samples_per_s=None, budget_bytes=budget_bytes,
+                result["runs"].append(protocol_record(s, run_id=run_id, stock_samples_per_s=None, budget_bytes=budget_bytes,
                                                       profile=profile, step_s=s.get("step_s")))
         plain, prof = figures["plain_step_s"], figures["profiled_step_s"]
         ms = lambda xs: f"{statistics.median(xs) * 1e3:.1f}" if xs else "n/a"  # noqa: E731

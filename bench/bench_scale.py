@@ -9,15 +9,16 @@
     that file), --budget the budget: the same search, each probe 4 steps (ActivationOffload
     calibrates over the first two), up to --um-max-batch.
 Then each method's largest batch trains for --steps steps. One batch is one forward and backward
-(no micro-batches). Writes bench/results/scale-<budget>-<method>.json in the protocol's form.
+(no micro-batches). Writes bench/results/scale-<budget>-<method>.json in the protocol's form,
+one run_id across them.
 """
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import bench_microbatch as mb
+from harness import RESULTS, new_run_id, write_result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,40 +35,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     # host held 91 GiB at its peak (H200 host, 125 GiB), about 1.1 GiB a sample.
     p.add_argument("--um-max-batch", type=int, default=88, help="um_alloc's largest probe (default 88)")
     p.add_argument("--policy", default="large_batch.yaml", help="um_alloc policy (default large_batch.yaml)")
-    p.add_argument("--out", type=Path, default=mb.REPO / "bench" / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
-
-
-def final(args, allocator: str, batch: int, extra=()) -> dict:
-    while batch > 0:  # a longer run can still fail at the edge: step down
-        summary = mb.train(args, allocator, batch, args.steps, args.warmup_steps, extra)
-        print(mb._line(f"[{allocator}] batch {batch}, {args.steps} steps", summary), flush=True)
-        if summary is not None:
-            return summary
-        batch -= 1
-    raise RuntimeError(f"{allocator}: a probe fitted but no {args.steps}-step run did")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    run_id = new_run_id("bench_scale")
     args.memory_limit = args.budget  # bench_microbatch.train gives stock runs --memory-limit
     um_extra = ["--policy", args.policy, "--budget", args.budget, "--dropout", "0"]
     stock_extra = ["--dropout", "0"]
-    stock_batch = mb.largest_batch(args, "stock", args.stock_start, args.max_batch, 2, stock_extra)
-    stock = final(args, "stock", stock_batch, stock_extra)
-    um_batch = mb.largest_batch(args, "um", args.um_start, args.um_max_batch, 4, um_extra)  # 2 calibrate
-    um = final(args, "um", um_batch, um_extra)
-    args.out.mkdir(parents=True, exist_ok=True)
+    stock_batch = mb.search(args, "stock", args.stock_start, args.max_batch, 2, stock_extra)
+    stock = mb.timed_run(args, "stock", stock_batch, stock_extra)
+    um_batch = mb.search(args, "um", args.um_start, args.um_max_batch, 4, um_extra)  # 2 calibrate
+    um = mb.timed_run(args, "um", um_batch, um_extra)
     for summary in (stock, um):
-        record = mb.result(summary, stock["samples_per_s"])
+        record = mb.result(summary, stock["samples_per_s"], run_id)
         record.update(limit_as="memory_fraction" if summary is stock else "hard budget",
                       batch_ratio_vs_stock=summary["batch"] / stock["batch"],
                       activation_offload=summary.get("activation_offload"))
         if summary is um:  # the search stops at the cap: a larger batch may train too
             record.update(largest_probe=args.um_max_batch, reached_largest_probe=um_batch >= args.um_max_batch)
-        path = args.out / f"scale-{args.budget}-{'stock' if summary is stock else 'um_alloc'}.json"
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_result(f'scale-{args.budget}-' + ('stock' if summary is stock else 'um_alloc'), record, args.out)}")
     print(f"\nlargest batch at {args.budget}: stock {stock['batch']} ({stock['samples_per_s']:.1f} samples/s), "
           f"um_alloc {um['batch']} ({um['samples_per_s']:.1f} samples/s): {um['batch'] / stock['batch']:.1f}x the batch"
           + (f" (um_alloc's search stops at --um-max-batch {args.um_max_batch})" if um_batch >= args.um_max_batch else ""))

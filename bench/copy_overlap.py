@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
 import sys
 
-from common import write_result
+from harness import new_run_id, run_child, write_result
 
 MODES = ("cudamalloc", "managed", "managed_staged")
 GiB = 1 << 30
@@ -31,7 +30,8 @@ def measure(mode: str) -> dict:
         import um_alloc
 
         um_alloc.install("none.yaml")
-    from um_alloc.staging import DeviceStage, byte_view
+    from um_alloc.byte_views import byte_view
+    from um_alloc.staging import DeviceStage
 
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     tensor = torch.ones(GiB, dtype=torch.uint8, device="cuda")
@@ -81,18 +81,18 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         print(json.dumps(measure(sys.argv[2])))
         return
-    runs = []
+    run_id, runs = new_run_id("copy_overlap"), []
     for mode in MODES:
-        done = subprocess.run([sys.executable, __file__, "--child", mode], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode != 0:
-            sys.exit(f"{mode} failed:\n{done.stderr[-2000:]}")
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        try:
+            runs.append(run_child([__file__, "--child", mode], timeout=300))
+        except RuntimeError as error:
+            sys.exit(str(error))
         r = runs[-1]
         print(f"{mode:15s} matmuls {r['matmuls_ms']:6.1f} ms | " + " | ".join(
             f"{d}: copy {r[d]['copy_ms']:5.1f} ms ({r[d]['copy_GBps']:4.1f} GB/s), both {r[d]['both_ms']:5.1f} ms, "
             f"overlap {r[d]['overlap']:.2f}" for d in ("d2h", "h2d")), flush=True)
     record = {"device": runs[0]["device"], "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "run_id": run_id,
               "what": "150 bf16 4096^2 matmuls beside a 1 GiB pinned copy on a side stream", "runs": runs}
     print("wrote", write_result("copy_overlap", record))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import RESULTS, run_train
+from harness import Run, new_run_id, run_train, write_result
 
 
 def variants(limit: str):
@@ -26,10 +26,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--limit", default="16GiB")
     args = p.parse_args()
-    rows = []
+    run_id, rows = new_run_id("diagnose_limit"), []
     for name, argv in variants(args.limit):
-        s = run_train(argv)
-        row = {"variant": name, "fit": s is not None}
+        s, status, _ = run_train(Run(name, "", argv), 900)
+        row = {"variant": name, "run_id": run_id, "status": status, "fit": s is not None}
         if s:
             m = s.get("memory_stats") or {}
             row.update(micro_batch=s["micro_batch"], samples_per_s=s["samples_per_s"],
@@ -39,7 +39,7 @@ def main():
                        num_ooms=m.get("num_ooms"), device=s["device"], date=s["date"])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    (RESULTS / "diagnose_limit.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_result("diagnose_limit", rows)
 
 
 if __name__ == "__main__":

@@ -1,77 +1,110 @@
-"""Where does an offload step's time go? torch.profiler over one BERT-Large b32 step after 6 warm-up steps.
+"""Where does an offloading step's time go? One bench_budget.py method, its last step traced.
 
-    cd bench && python profile_offload.py offload 16GiB OUTDIR    (METHOD: stock or one of budget_run.OFFLOAD)
+    python bench/profile_offload.py offload --budget 16GiB --out OUTDIR     (METHOD: one of bench_budget's)
 
-Prints a JSON summary (busy time and rate of kernels and copies each way, compute-stream gaps over
-1 ms) and writes the trace to OUTDIR/trace_METHOD.json.gz for chrome://tracing or Perfetto.
+Runs the method as bench_budget.py does (BERT-Large, batch 32, 7 steps) with train.py --trace,
+which records the last step with torch.profiler. Prints a JSON summary: per kind of GPU work
+(kernels, copies each way) its count, busy time, bytes and rate, and the compute stream's idle
+gaps over 1 ms; train.py's phase times, link rates and offload figures beside it. The trace stays
+in OUTDIR/trace_METHOD.json.gz for chrome://tracing or Perfetto.
 """
-import gzip, json, os, sys, time
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import budget_run as br
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+from bench_budget import METHODS, common_args, method_args
+from harness import Run, run_train
+
+GAP_S = 1e-3  # compute-stream idle gaps shorter than this are not listed
 
 
-def main():
-    method, budget_s, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
-    os.makedirs(outdir, exist_ok=True)
-    import torch
-    import um_alloc
-    args = br.parse_args([method, "--budget", budget_s, "--batch", "32", "--window", os.environ.get("WINDOW", "1GiB")])
-    budget = um_alloc.parse_size(budget_s, key="budget", source="cli")
-    device = br.setup(args, budget)
-    model, opt, config = br.build(args, device)
-    off = br.make_offload(args, budget) if method in br.OFFLOAD else None
-    rates = br.link_rates(device)
-    data = br.batches(args, config.vocab_size)
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("method", choices=METHODS)
+    p.add_argument("--budget", default="16GiB")
+    p.add_argument("--model", choices=("large", "tiny"), default="large")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=7, help="the last one is traced (default 7)")
+    p.add_argument("--window", default="1GiB", help="offload methods: bytes copied back ahead of backward")
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--out", type=Path, default=Path("."), help="where the trace goes (default .)")
+    return p.parse_args(argv)
 
-    def step(ids, labels):
-        loss, phases = br.run_step(args, model, opt, ids, labels, off)
-        torch.cuda.synchronize()
-        return loss, phases
 
-    times = []
-    for i in range(6):
-        ids, labels = next(data)
-        torch.cuda.synchronize(); t = time.perf_counter()
-        loss, ph = step(ids, labels)
-        times.append((time.perf_counter() - t, ph))
-    from torch.profiler import profile, ProfilerActivity
-    ids, labels = next(data)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(ids, labels)
-    trace = os.path.join(outdir, f"trace_{method}.json")
-    prof.export_chrome_trace(trace)
-    ev = json.load(open(trace))["traceEvents"]
-    gpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    t0 = min(e["ts"] for e in gpu); t1 = max(e["ts"] + e["dur"] for e in gpu)
-    summ = {"method": method, "budget": budget_s, "rates_GBps": rates, "steps": times,
-            "span_s": (t1 - t0) / 1e6, "stats": off.stats.__dict__ if off else None}
-    by = {}
-    for e in gpu:
-        name = e["name"]
-        kind = "kernel" if e["cat"] == "kernel" else ("DtoH" if "DtoH" in name else "HtoD" if "HtoD" in name else name[:30])
-        b = by.setdefault(kind, {"n": 0, "dur_s": 0.0, "bytes": 0, "first": 1e30, "last": 0, "streams": set()})
-        b["n"] += 1; b["dur_s"] += e["dur"] / 1e6
-        b["bytes"] += int(e.get("args", {}).get("bytes", 0) or 0)
-        b["first"] = min(b["first"], (e["ts"] - t0) / 1e6); b["last"] = max(b["last"], (e["ts"] + e["dur"] - t0) / 1e6)
-        b["streams"].add(e.get("args", {}).get("stream"))
-    for b in by.values():
-        b["streams"] = sorted(map(str, b["streams"]))
-        if b["bytes"] and b["dur_s"]:
-            b["rate_GBps"] = b["bytes"] / b["dur_s"] / 1e9
-    summ["by_kind"] = by
-    # kernel-idle gaps > 1 ms on the compute stream
-    ks = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if e["cat"] == "kernel")
-    gaps, end = [], ks[0][1]
-    for s, e in ks[1:]:
-        if s - end > 1000:
-            gaps.append(((end - t0) / 1e6, (s - end) / 1e6))
-        end = max(end, e)
-    summ["kernel_gaps"] = gaps[:40]
-    summ["kernel_idle_s"] = sum(g[1] for g in gaps)
-    with gzip.open(trace + ".gz", "wt") as f:
-        json.dump(ev, f)
-    os.remove(trace)
-    print(json.dumps(summ, default=str))
+def gpu_events(trace: dict) -> list[dict]:
+    return [e for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def kind_of(event: dict) -> str:
+    if event["cat"] == "kernel":
+        return "kernel"
+    name = event["name"]
+    return "DtoH" if "DtoH" in name else "HtoD" if "HtoD" in name else name[:30]
+
+
+def by_kind(events: list[dict], t0: float) -> dict[str, dict]:
+    """Count, busy seconds, bytes, first and last activity (s from t0) and streams per kind."""
+    kinds: dict[str, dict] = {}
+    for e in events:
+        k = kinds.setdefault(kind_of(e), {"n": 0, "dur_s": 0.0, "bytes": 0, "first": float("inf"), "last": 0.0,
+                                          "streams": set()})
+        k["n"] += 1
+        k["dur_s"] += e["dur"] / 1e6
+        k["bytes"] += int(e.get("args", {}).get("bytes", 0) or 0)
+        k["first"] = min(k["first"], (e["ts"] - t0) / 1e6)
+        k["last"] = max(k["last"], (e["ts"] + e["dur"] - t0) / 1e6)
+        k["streams"].add(str(e.get("args", {}).get("stream")))
+    for k in kinds.values():
+        k["streams"] = sorted(k["streams"])
+        if k["bytes"] and k["dur_s"]:
+            k["rate_GBps"] = k["bytes"] / k["dur_s"] / 1e9
+    return kinds
+
+
+def kernel_gaps(events: list[dict], t0: float) -> list[tuple[float, float]]:
+    """(start s from t0, length s) of each stretch over GAP_S with no kernel running."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "kernel")
+    gaps, end = [], spans[0][1] if spans else 0
+    for start, stop in spans[1:]:
+        if (start - end) / 1e6 > GAP_S:
+            gaps.append(((end - t0) / 1e6, (start - end) / 1e6))
+        end = max(end, stop)
+    return gaps
+
+
+def analyse(trace: dict) -> dict:
+    events = gpu_events(trace)
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    gaps = kernel_gaps(events, t0)
+    return {"span_s": (t1 - t0) / 1e6, "by_kind": by_kind(events, t0), "kernel_gaps": gaps[:40],
+            "kernel_idle_s": sum(length for _, length in gaps)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    args.warmup = args.steps - 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace = args.out / f"trace_{args.method}.json.gz"
+    with tempfile.TemporaryDirectory() as policy_dir:
+        train_args = [*common_args(args), "--trace", str(trace), *method_args(args.method, args, Path(policy_dir))]
+        run = Run(args.method, args.method, train_args)
+        summary, status, note = run_train(run, args.timeout)
+    if summary is None:
+        raise SystemExit(f"{args.method}: {status}: {note}")
+    with gzip.open(trace, "rt") as file:
+        out = analyse(json.load(file))
+    out.update(method=args.method, budget=args.budget, trace=str(trace), step_s=summary["step_s"],
+               phase_s=summary["phase_s"], link_rates=summary["link_rates"],
+               activation_offload=summary.get("activation_offload"))
+    print(json.dumps(out, default=str))
+    return out
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 The model is transformers' BertForMaskedLM built from a BertConfig (no weights are downloaded);
 the data is synthetic unless --data names a local text file (see data.py). bf16 autocast is on by
 default on CUDA; on CPU training runs in float32. ``main(argv)`` returns the run's summary dict.
+The command line and its checks are in options.py, checkpoints in checkpoints.py, and what
+--phase-times, --link-rates and --trace measure in measure.py.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,137 +28,14 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, checkpoint_state, load_checkpoint,  # noqa: E402
+                                      restore, save_checkpoint)
 from bert_example.data import IGNORE, make_source  # noqa: E402
+from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
+from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
+                                  check_policy, memory_limit_bytes, size_bytes)
 
-MODELS = {  # BertConfig sizes; everything else is BERT's default
-    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-}
-MIN_SEQ_LEN, MAX_SEQ_LEN = 8, 512  # 512: BERT's position embeddings
-CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
 EXIT_OOM = 3  # exit status when the GPU runs out of memory (bench scripts test for it)
-
-
-# --- arguments ---------------------------------------------------------------------------------
-
-def _micro_batch(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}")
-    return int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="large", help="BERT size (default large)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="mini-batch size in sequences (default 8)")
-    p.add_argument("--seq-len", type=int, default=512, metavar="N",
-                   help=f"tokens per sequence, {MIN_SEQ_LEN}..{MAX_SEQ_LEN} (default 512)")
-    p.add_argument("--steps", type=int, default=20, metavar="N",
-                   help="total optimizer steps, counted from step 0 also with --resume (default 20)")
-    p.add_argument("--warmup-steps", type=int, default=2, metavar="N",
-                   help="first steps of this run left out of the timing (default 2)")
-    p.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="AdamW learning rate (default 1e-4)")
-    p.add_argument("--dropout", type=float, default=0.1, metavar="P", help="BERT's dropout probabilities (default 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="model init, data and dropout seed (default 0)")
-    p.add_argument("--no-bf16", action="store_true", help="train in float32 (bf16 autocast is CUDA-only anyway)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels only (torch.use_deterministic_algorithms), so runs can be compared "
-                        "loss for loss; slower")
-    p.add_argument("--data", metavar="FILE", help="local text file (a WordPiece tokenizer is trained on it)")
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
-    p.add_argument("--allocator", choices=("um", "stock"), default="um", help="um_alloc or PyTorch's own")
-    p.add_argument("--policy", metavar="POLICY", help="um_alloc policy (path or bare name); overrides UM_POLICY")
-    p.add_argument("--memory-limit", metavar="SIZE",
-                   help="GPU memory limit, e.g. 16GiB (stock: a memory fraction; um: the pool's reserve cap)")
-    p.add_argument("--budget", metavar="SIZE",
-                   help="um only: GPU residency budget, e.g. 16GiB or 0.5 (overrides the policy's scheduler.budget)")
-    p.add_argument("--micro-batch", type=_micro_batch, metavar="N|auto",
-                   help="stream micro-batches of N sequences (auto: the largest that fits)")
-    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
-    p.add_argument("--checkpoint", metavar="DIR", help="save checkpoints in DIR")
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="steps between checkpoints (default 10)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR")
-    p.add_argument("--offload", choices=("save_on_cpu",), help="keep saved activations in (pinned) host memory")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing: recompute in backward")
-    p.add_argument("--profile", action="store_true", help="CUPTI unified-memory counters per step (or UM_PROFILE=1)")
-    p.add_argument("--timeline", metavar="PNG", help="draw memory per tag and GPU faults over the last step")
-    return p
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every check that needs no GPU; errors say what is allowed."""
-    ranges = [("--batch-size", args.batch_size, 1, None), ("--seq-len", args.seq_len, MIN_SEQ_LEN, MAX_SEQ_LEN),
-              ("--steps", args.steps, 1, None), ("--warmup-steps", args.warmup_steps, 0, None),
-              ("--checkpoint-every", args.checkpoint_every, 1, None)]
-    for name, value, low, high in ranges:
-        if value < low or (high is not None and value > high):
-            allowed = f"between {low} and {high}" if high is not None else f">= {low}"
-            parser.error(f"{name} must be {allowed}, got {value}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
-    if not 0 <= args.dropout < 1:
-        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    if args.allocator == "um" and device.type != "cuda":
-        parser.error("--allocator um needs a CUDA device; on the CPU use --allocator stock")
-    if args.policy is not None and args.allocator != "um":
-        parser.error("--policy applies to --allocator um only")
-    if args.memory_limit is not None and device.type != "cuda":
-        parser.error("--memory-limit applies to CUDA devices only")
-    if args.budget is not None and args.allocator != "um":
-        parser.error("--budget applies to --allocator um only (for stock PyTorch use --memory-limit)")
-    if args.resume and args.checkpoint is None:
-        parser.error("--resume needs --checkpoint DIR")
-    if args.allocator == "um":
-        check_policy(parser, args)
-
-
-def check_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The policy loads, and what it asks of the run combines with the other options."""
-    from um_alloc.policy import PolicyError, load_policy
-
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as error:
-        parser.error(str(error))
-    if not policy.scheduler.offload_activations:
-        return
-    clash = [flag for flag, given in (("--micro-batch", args.micro_batch is not None),
-                                      ("--offload", args.offload is not None),
-                                      ("--checkpointing", args.checkpointing)) if given]
-    if clash:
-        parser.error(f"policy {policy.name!r} offloads activations (scheduler.offload_activations: true), "
-                     f"which does not combine with {', '.join(clash)}; use a policy without it, such as "
-                     "host_optimizer.yaml, or drop the flag")
-
-
-def memory_limit_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
-    if args.memory_limit is None:
-        return None
-    from um_alloc.policy import parse_size
-
-    try:
-        text = args.memory_limit  # a bare number on the command line is bytes
-        limit = parse_size(int(text) if text.isdigit() else text, key="--memory-limit", source="command line")
-    except ValueError as error:
-        parser.error(str(error))
-    if limit <= 0:
-        parser.error(f"--memory-limit must be more than 0 bytes, got {args.memory_limit!r}")
-    return limit
-
-
-def budget_value(text: str | None) -> int | float | str | None:
-    """--budget as install() takes it: "0.5" a fraction of the device, "123" bytes, "16GiB" a size."""
-    if text is None or not text.replace(".", "", 1).isdigit():
-        return text
-    return float(text) if "." in text else int(text)
 
 
 # --- setup -------------------------------------------------------------------------------------
@@ -218,65 +95,11 @@ def _device_used(device: torch.device) -> int | None:
     return total - free
 
 
-# --- checkpoints -------------------------------------------------------------------------------
-
-def save_checkpoint(directory: str | Path, state: dict) -> Path:
-    """Writes DIR/checkpoint.pt atomically: a temporary file in DIR, fsync'd, then os.replace; the
-    previous checkpoint becomes checkpoint.prev.pt. A crash leaves no half-written checkpoint."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        if (directory / CHECKPOINT).exists():
-            os.replace(directory / CHECKPOINT, directory / PREVIOUS)
-        os.replace(temporary, directory / CHECKPOINT)
-        descriptor = os.open(directory, os.O_RDONLY)  # make the renames durable too
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return directory / CHECKPOINT
-
-
-def load_checkpoint(directory: str | Path) -> dict | None:
-    """The latest checkpoint in DIR (checkpoint.pt, else checkpoint.prev.pt: a crash between the
-    two renames of save_checkpoint leaves only that), or None."""
-    for name in (CHECKPOINT, PREVIOUS):
-        if (Path(directory) / name).is_file():
-            return torch.load(Path(directory) / name, map_location="cpu", weights_only=True)
-    return None
-
-
-def checkpoint_state(step: int, model, optimizer, source, device: torch.device, args) -> dict:
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "data": source.state(), "model_size": args.model, "cpu_rng": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda_rng"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore(parser, checkpoint: dict, model, optimizer, device: torch.device, args) -> int:
-    if checkpoint["model_size"] != args.model:
-        parser.error(f"--resume: the checkpoint is of --model {checkpoint['model_size']}, not {args.model}")
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    torch.set_rng_state(checkpoint["cpu_rng"])
-    if device.type == "cuda" and "cuda_rng" in checkpoint:
-        torch.cuda.set_rng_state(checkpoint["cuda_rng"], device)
-    return checkpoint["step"]
-
-
 # --- training ----------------------------------------------------------------------------------
 
-def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype):
-    """Returns step(host_batch) -> loss (float): plain, or streamed in micro-batches."""
+def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype, clock: PhaseClock | None = None):
+    """Returns step(host_batch) -> loss (float): plain, or streamed in micro-batches. A clock
+    (plain steps only) is marked around forward, backward and the optimizer step."""
     loss_fn = lambda m, batch: m(**batch).loss  # noqa: E731  mean over masked tokens
     if args.micro_batch is not None:
         from um_alloc.microbatch import MicroBatchStreamer
@@ -293,17 +116,41 @@ def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype):
 
             um_alloc.retag(batch, "input")
         optimizer.zero_grad(set_to_none=True)
+        mark()
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = loss_fn(model, batch)
+        mark()
         loss.backward()
+        mark()
         optimizer.step()
-        return loss.item()
+        mark()
+        loss = loss.item()  # waits for the step's kernels: the clock's events have completed
+        if clock is not None:
+            clock.end_step()
+        return loss
 
+    mark = clock.mark if clock is not None else lambda: None
     return step, None
 
 
+def make_offload(args, device: torch.device, limit: int | None, window: int | None):
+    """The ActivationOffload of this run, or None: the policy's under um_alloc (None unless it
+    offloads activations under a budget), --offload activations' over stock PyTorch (sized to
+    --memory-limit; without one it keeps nothing back, as save_on_cpu)."""
+    tuning = {**({"window": window} if window is not None else {}), **({"rebuild": False} if args.no_rebuild else {})}
+    if args.allocator == "um":
+        from um_alloc.offload import from_policy
+
+        return from_policy(**tuning)
+    if args.offload != "activations":
+        return None
+    from um_alloc.offload import ActivationOffload
+
+    return ActivationOffload(limit, device=device, **tuning)
+
+
 def offload_activations(step_fn, offload):
-    """Forward and backward under um_alloc's ActivationOffload (the policy asked for it)."""
+    """Forward and backward under um_alloc's ActivationOffload."""
     def step(batch):
         with offload.step():
             return step_fn(batch)
@@ -387,37 +234,34 @@ def print_summary(summary: dict, allocator: str) -> None:
         print(f"  activation offload (last step): saved {gib(offload['saved_bytes'])}, kept "
               f"{gib(offload['kept_bytes'])} on the GPU, rebuilt {gib(offload['rebuilt_bytes'])} in backward, "
               f"moved {gib(offload['out_bytes'])} each way")
+    phases = summary.get("phase_s_median")
+    if phases:
+        print("  median phases: " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in phases.items()))
+    rates = summary.get("link_rates")
+    if rates:
+        print(f"  pinned-host link: {rates['d2h_GBps']:.1f} GB/s to the host, {rates['h2d_GBps']:.1f} GB/s back")
     if allocator == "um" and summary["peak_bytes"] is not None:
         import um_alloc
 
         print(um_alloc.memory_summary())
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    limit = memory_limit_bytes(parser, args)
-    checkpoint = None
-    if args.resume:
-        checkpoint = load_checkpoint(args.checkpoint)
-        if checkpoint is None:
-            parser.error(f"--resume: no checkpoint in {args.checkpoint} (looked for {CHECKPOINT}, {PREVIOUS})")
-        if checkpoint["step"] >= args.steps:
-            parser.error(f"--resume: the checkpoint is at step {checkpoint['step']}; --steps {args.steps} leaves nothing to do")
-    try:
-        source = make_source(args.data, args.batch_size, args.seq_len, args.seed,
-                             checkpoint["data"] if checkpoint else None)
-    except (OSError, ValueError) as error:
-        parser.error(str(error))
+def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
+    """The checkpoint --resume continues from, or None without --resume."""
+    if not args.resume:
+        return None
+    checkpoint = load_checkpoint(args.checkpoint)
+    if checkpoint is None:
+        parser.error(f"--resume: no checkpoint in {args.checkpoint} (looked for {CHECKPOINT}, {PREVIOUS})")
+    if checkpoint["step"] >= args.steps:
+        parser.error(f"--resume: the checkpoint is at step {checkpoint['step']}; --steps {args.steps} leaves nothing to do")
+    return checkpoint
 
-    from um_alloc.profile.training import TrainingProfiler
 
-    profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
-    device = setup_device(parser, args, limit)  # from here on: CUDA work
-    used_before = _device_used(device)
+def build_training(args, vocab_size: int, device: torch.device):
+    """The model and fused AdamW, tagged for um_alloc when it is the allocator."""
     with _tag_context(args, "parameter"):
-        model = build_model(args, source.vocab_size, device)
+        model = build_model(args, vocab_size, device)
     if args.checkpointing:  # per layer; transformers 5 renamed gradient_checkpointing_enable
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable({"use_reentrant": False})
@@ -431,6 +275,48 @@ def main(argv: list[str] | None = None) -> dict:
         um_alloc.tag_training(model, optimizer)
         if um_alloc.installation().policy.scheduler.spill_min_size:  # large_batch.yaml, say
             um_alloc.spill_from(model.cls)  # the MLM head and the loss: logits grow with the vocabulary
+    return model, optimizer
+
+
+def build_step(args, model, optimizer, device: torch.device, limit: int | None, window: int | None):
+    """(step_fn, micro-batch streamer or None, ActivationOffload or None, PhaseClock or None)."""
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.no_bf16 else None
+    clock = PhaseClock(device) if args.phase_times else None
+    step_fn, streamer = make_step_fn(args, model, optimizer, device, autocast_dtype, clock)
+    step_fn = save_on_cpu(step_fn, device) if args.offload == "save_on_cpu" else step_fn
+    offload = make_offload(args, device, limit, window)
+    step_fn = offload_activations(step_fn, offload) if offload else step_fn
+    return step_fn, streamer, offload, clock
+
+
+def write_summary(summary: dict, args, profiler) -> dict:
+    print_summary(summary, args.allocator)
+    profiler.report(summary)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    limit = memory_limit_bytes(parser, args)
+    window = size_bytes(parser, args.offload_window, "--offload-window")
+    checkpoint = resume_point(parser, args)
+    try:
+        source = make_source(args.data, args.batch_size, args.seq_len, args.seed,
+                             checkpoint["data"] if checkpoint else None)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+
+    from um_alloc.profile.training import TrainingProfiler
+
+    profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
+    device = setup_device(parser, args, limit)  # from here on: CUDA work
+    used_before = _device_used(device)
+    model, optimizer = build_training(args, source.vocab_size, device)
     first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
     del checkpoint
 
@@ -438,28 +324,22 @@ def main(argv: list[str] | None = None) -> dict:
         if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
             save_checkpoint(args.checkpoint, checkpoint_state(done, model, optimizer, source, device, args))
 
-    autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.no_bf16 else None
-    step_fn, streamer = make_step_fn(args, model, optimizer, device, autocast_dtype)
-    step_fn = save_on_cpu(step_fn, device) if args.offload == "save_on_cpu" else step_fn
-    offload = None
-    if args.allocator == "um":
-        from um_alloc.offload import from_policy
-
-        offload = from_policy()  # None unless the policy offloads activations under a budget
-        step_fn = offload_activations(step_fn, offload) if offload else step_fn
+    step_fn, streamer, offload, clock = build_step(args, model, optimizer, device, limit, window)
+    rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
     step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
+    step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
     losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done)
     summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
     summary.update(offload=args.offload, checkpointing=args.checkpointing, **profiler.finish(args.warmup_steps))
     if offload is not None:
         summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
                                          **dataclasses.asdict(offload.stats)}
-    print_summary(summary, args.allocator)
-    profiler.report(summary)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return summary
+    summary.update(clock.summary(args.warmup_steps) if clock else {})
+    if rates:
+        summary["link_rates"] = rates
+    if args.trace:
+        summary["trace"] = args.trace
+    return write_summary(summary, args, profiler)
 
 
 if __name__ == "__main__":

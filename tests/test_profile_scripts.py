@@ -14,7 +14,7 @@ from um_alloc.policy import load_policy
 from um_alloc.profile import aggregate
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "bench")]
+sys.path.insert(0, str(ROOT / "bench"))
 import bench_profile_overhead  # noqa: E402
 import compare_peers  # noqa: E402
 import compare_policies  # noqa: E402
@@ -82,6 +82,7 @@ def test_budget_ablations_change_one_thing_each_and_every_policy_gets_the_budget
     assert dict(policy["offload_off"].tags) == dict(best.tags) == dict(policy["evict_reactive"].tags)
     assert policy["worst"].tags["parameter"].preferred_location == "cpu"
     assert "--memory-limit" not in runs["best"].train_args
+    assert policy["none"].scheduler.evict_live and not policy["best"].scheduler.evict_live  # reactive: explicit
 
 
 def test_generated_ablations_split_best_into_advice_and_prefetch(tmp_path):
@@ -112,12 +113,15 @@ def test_policy_comparison_writes_table_and_charts(tmp_path):
     runner = fake_runner({"none": 0.080, "best": 0.072, "advice_only": 0.078, "prefetch_only": 0.074})
     rows = compare_policies.execute(runs, timeout=10, runner=runner)
     assert [r.name for r in runner.calls] == ["none", "worst", "best", "advice_only", "prefetch_only"]
+    rows = compare_policies.execute(runs, timeout=10, runner=runner, run_id="compare_policies-1")
+    assert {r["run_id"] for r in rows} == {"compare_policies-1"}
     paths = compare_policies.report(rows, tmp_path, args)
     table = {r["name"]: r for r in csv.DictReader((tmp_path / "policies.csv").open())}
     assert float(table["best"]["ratio_vs_none"]) == pytest.approx(0.080 / 0.072)
     assert table["worst"]["status"] == "oom" and table["offload_off"]["status"] == "skipped"
-    assert float(table["best"]["gpu_page_faults"]) == 72.0
+    assert float(table["best"]["gpu_page_faults"]) == 72.0 and table["best"]["run_id"] == "compare_policies-1"
     md = (tmp_path / "policies.md").read_text()
+    assert "run_id compare_policies-1, on fake, 2026-11-22." in md
     assert "| run | status | median step | samples/s | vs none |" in md and "GPU faults /step" in md
     assert "| best | ok | 72.0 ms | 111.1 | 1.111 |" in md
     names = {Path(p).name for p in paths}
@@ -141,6 +145,7 @@ def test_peer_plan_gives_every_method_but_stock_the_budget(tmp_path):
         policy = load_policy(args_[args_.index("--policy") + 1])
         assert policy.scheduler.budget == 16 * 2**30 and "--memory-limit" not in args_
         assert dict(policy.tags) == dict(load_policy(base).tags)
+        assert policy.scheduler.evict_live == (name == "um_reactive")  # the reactive budget is asked for
     assert all("--profile" in r.train_args for r in runs.values())
     assert "--offload" in runs["stock_save_on_cpu"].train_args and "--checkpointing" in runs["stock_checkpointing"].train_args
     assert runs["rmm_managed_pool"].skip.startswith("rmm is not importable")

@@ -1,5 +1,6 @@
 """bert_example/train.py on the CPU with the stock allocator and a tiny BERT."""
 
+import gzip
 import json
 import math
 
@@ -102,6 +103,12 @@ def test_micro_batches_give_the_full_batch_losses(exact_baseline, micro_batch, u
     (["--memory-limit", "1GiB"], "--memory-limit applies to CUDA devices only"),
     (["--resume"], "--resume needs --checkpoint DIR"),
     (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file"),
+    (["--phase-times", "--micro-batch", "2"], "--phase-times times one forward and one backward a step"),
+    (["--link-rates"], "--link-rates times copies between pinned host memory and a GPU: it needs a CUDA device"),
+    (["--trace", "t.json", "--profile"], "--trace does not combine with --profile or --timeline"),
+    (["--no-rebuild"], "--no-rebuild: applies to an activation offload: --offload activations"),
+    (["--offload", "activations", "--micro-batch", "2"], "--offload activations does not combine with --micro-batch"),
+    (["--offload", "activations", "--offload-window", "0"], "--offload-window must be more than 0 bytes"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -155,7 +162,7 @@ def test_a_policy_that_offloads_activations_refuses_other_memory_savers(flags, c
 
 def test_a_bad_policy_is_refused_before_cuda_work(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("scheduler: {offload_activations: true}\n")
+    bad.write_text("scheduler: {offload_activations: true, evict_live: true}\n")  # offload needs a hard budget
     parser = train.build_parser()
     with pytest.raises(SystemExit):
         train.check_policy(parser, parser.parse_args(["--policy", str(bad)]))
@@ -187,3 +194,56 @@ def test_the_summary_says_what_the_offload_kept_rebuilt_and_moved(capsys):
     train.print_summary(summary, "stock")
     assert ("saved 19.00 GiB, kept 6.00 GiB on the GPU, rebuilt 9.00 GiB in backward, moved 4.00 GiB each way"
             in capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--offload", "activations"], "--offload activations is for --allocator stock; under um_alloc use a policy"),
+    (["--policy", "none.yaml", "--offload-window", "1GiB"], "--offload-window: policy 'none' does not offload"),
+])
+def test_um_alloc_offloads_activations_through_its_policy_only(args, message, capsys):
+    import torch
+
+    with pytest.raises(SystemExit):
+        main(args)  # --device cuda, --allocator um: refused before any CUDA work
+    assert message in capsys.readouterr().err
+    assert not torch.cuda.is_initialized()
+
+
+def test_phase_times_split_each_step_into_forward_backward_and_optimizer():
+    summary = run("--steps", 3, "--phase-times")
+    assert [len(phases) for phases in summary["phase_s"]] == [3, 3, 3]
+    assert set(summary["phase_s_median"]) == {"forward", "backward", "optimizer"}
+    for phases, step_s in zip(summary["phase_s"], summary["step_s"]):
+        assert 0 < sum(phases) <= step_s
+    assert summary["phase_s_median"]["backward"] == summary["phase_s"][2][1]  # --warmup-steps 2: one timed step
+    plain = run("--steps", 1)
+    assert "phase_s" not in plain and "link_rates" not in plain and "trace" not in plain
+
+
+def test_the_activation_offload_over_stock_pytorch_trains_like_the_plain_run(exact_baseline, monkeypatch):
+    from um_alloc import offload
+
+    made, original = [], offload.ActivationOffload
+
+    def spy(*args, **kwargs):
+        made.append((args, kwargs))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(offload, "ActivationOffload", spy)
+    summary = run("--steps", 3, "--offload", "activations", *EXACT)
+    assert summary["losses"] == pytest.approx(exact_baseline["losses"], rel=1e-5)
+    assert summary["offload"] == "activations" and summary["activation_offload"]["out_bytes"] > 0
+    assert summary["activation_offload"]["budget_bytes"] is None  # no --memory-limit on the CPU: offload all
+    tuned = run("--steps", 3, "--offload", "activations", "--offload-window", "64MiB", "--no-rebuild", *EXACT)
+    assert tuned["losses"] == pytest.approx(exact_baseline["losses"], rel=1e-5)
+    assert tuned["activation_offload"]["window_bytes"] == 64 * 2**20
+    assert made[0][1] == {"device": made[0][1]["device"]} and made[0][0] == (None,)
+    assert made[1][1]["window"] == 64 * 2**20 and made[1][1]["rebuild"] is False
+
+
+def test_trace_writes_a_chrome_trace_of_the_last_step(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    summary = run("--steps", 2, "--trace", path)
+    assert summary["trace"] == str(path)
+    with gzip.open(path, "rt") as file:
+        events = json.load(file)["traceEvents"]
+    assert any(event.get("cat") == "cpu_op" and event["name"].startswith("aten::") for event in events)
