@@ -1,0 +1,84 @@
+"""The block planner on a GPU under um_alloc, in a fresh process (install precedes CUDA).
+
+    python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
+    python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
+
+Two identical small BERT models see the same batches and seeds; one trains plainly, the other
+with the planner attached (two measured steps in the safe mode, then the plan).
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+import torch
+
+import um_alloc
+
+MiB = 1 << 20
+
+
+def bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                        intermediate_size=1024, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    with um_alloc.tag("parameter"):
+        model = BertForMaskedLM(config).cuda().train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step(model, optimizer, ids, seed):
+    torch.manual_seed(seed)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def equal() -> dict:
+    plain, plain_opt = bert()
+    planned, planned_opt = bert()
+    planner = um_alloc.plan(planned, budget="2GiB")
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        losses["plain"].append(step(plain, plain_opt, ids, i))
+        losses["planned"].append(step(planned, planned_opt, ids, i))
+    return {**losses, "plan": planner.plan.counts(), "moved": planner.plan.moved_bytes}
+
+
+def oom() -> dict:
+    model, optimizer = bert()
+    planner = um_alloc.plan(model, budget="2GiB", margin=0)
+    hog = {"left": 1}
+
+    def eat(module, args):  # once, in a planned step: more than the budget leaves
+        if hog["left"] and planner.plan is not None:
+            hog["left"] = 0
+            torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+
+    handle = model.bert.encoder.layer[3].register_forward_pre_hook(eat)
+    data = torch.Generator().manual_seed(1)
+    losses, retried, margin = [], 0, planner.margin
+    for i in range(6):
+        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        while True:
+            try:
+                losses.append(step(model, optimizer, ids, i))
+                break
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                retried += 1
+    handle.remove()
+    return {"losses": losses, "retried": retried, "margin_before": margin, "margin_after": planner.margin}
+
+
+if __name__ == "__main__":
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
+    um_alloc.install("best.yaml", budget="4GiB")
+    print(json.dumps({"equal": equal, "oom": oom}[sys.argv[1]]()))

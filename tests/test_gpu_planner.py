@@ -1,0 +1,30 @@
+"""The block planner on a GPU: the same losses as plain training, and an out-of-memory step
+replanned and trained (each in a process of its own: um_alloc installs before CUDA starts).
+
+    python -m pytest -q -m gpu tests/test_gpu_planner.py
+"""
+import math
+from pathlib import Path
+
+import pytest
+from conftest import run_gpu_script
+
+pytestmark = pytest.mark.gpu
+SCRIPT = Path(__file__).parent / "gpu_scripts" / "planner_check.py"
+
+
+def _check(mode: str) -> dict:
+    return run_gpu_script(SCRIPT, mode)
+
+
+def test_planned_training_gives_plain_trainings_losses(cuda_device):
+    result = _check("equal")
+    assert result["planned"] == result["plain"]  # dropout 0.1: masks replayed exactly in recomputes
+    assert sum(result["plan"].values()) == 6 + 3  # six layers, embeddings, head, the rest
+
+
+def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):
+    result = _check("oom")
+    assert result["retried"] >= 1
+    assert result["margin_after"] > result["margin_before"]
+    assert len(result["losses"]) == 6 and all(math.isfinite(x) for x in result["losses"])

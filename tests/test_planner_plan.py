@@ -1,0 +1,95 @@
+"""The planner's choices on synthetic calibrations: no GPU, no model, only the model of a step."""
+import pytest
+
+from um_alloc.planner.planning import (SAFE, Calibration, Decision, PlanInfeasible, Segment, UnitCost, evaluate,
+                                   make_plan)
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def transformer(blocks: int = 8, saved: int = 800 * MiB, selective: int = 300 * MiB, inputs: int = 64 * MiB,
+                static: int = 5 * GiB, loss: int = 2 * GiB, rate: float = 50e9) -> Calibration:
+    """A step like a transformer's, measured in the safe mode: an embedding gap, `blocks` blocks,
+    a head gap; the forward holds units as they finish, the tail holds them all, backward lets
+    each go as it passes."""
+    units = [UnitCost("embeddings", "gap", 1e-3, saved_bytes=100 * MiB, hide_s=0.1)]
+    for i in range(blocks):
+        units.append(UnitCost(f"layer.{i}", "block", forward_s=2e-3, recompute_s=2e-3, matmul_s=1.5e-3,
+                              saved_bytes=saved, selective_bytes=selective, input_bytes=inputs,
+                              hide_s=2e-3 * min(i + 1, blocks - i)))
+    units.append(UnitCost("head", "gap", 1e-3, saved_bytes=200 * MiB, hide_s=0.0))
+    n = len(units)
+    segments = [Segment(f"forward {j}", static + 256 * MiB, tuple(range(j))) for j in range(n)]
+    segments.append(Segment("loss", static + loss, tuple(range(n))))
+    segments += [Segment(f"backward {j}", static + saved, tuple(range(j))) for j in range(n - 1, -1, -1)]
+    segments.append(Segment("optimizer", static + 512 * MiB, ()))
+    return Calibration(tuple(units), tuple(segments), step_s=0.1, link_bytes_per_s=rate)
+
+
+def test_a_budget_that_holds_everything_keeps_everything():
+    cal = transformer()
+    plan = make_plan(cal, 40 * GiB)
+    assert set(plan.decisions) == {Decision.KEEP}
+    assert plan.predicted_step_s == pytest.approx(cal.base_step_s())
+    assert plan.moved_bytes == 0
+    assert plan.predicted_peak_bytes <= plan.limit_bytes
+
+
+@pytest.mark.parametrize("budget_gib", [8, 9, 10, 11, 12, 14, 16])
+def test_the_predicted_peak_stays_within_the_budget(budget_gib):
+    plan = make_plan(transformer(), budget_gib * GiB)
+    assert plan.predicted_peak_bytes <= plan.limit_bytes <= budget_gib * GiB - 512 * MiB
+
+
+def test_more_budget_never_predicts_a_slower_step():
+    cal = transformer(blocks=12)
+    steps = [make_plan(cal, b * 256 * MiB).predicted_step_s for b in range(32, 96)]
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(steps, steps[1:]))
+    assert steps[0] > steps[-1]
+
+
+def test_an_infeasible_budget_is_refused_with_the_smallest_that_fits():
+    cal = transformer()
+    with pytest.raises(PlanInfeasible) as refused:
+        make_plan(cal, 6 * GiB)
+    smallest = refused.value.smallest_bytes
+    assert smallest == cal.smallest_peak() + 512 * MiB
+    assert "smallest budget that fits is" in str(refused.value)
+    make_plan(cal, smallest)  # that figure is enough
+
+
+def test_the_safe_mode_is_what_a_budget_at_the_floor_gets():
+    cal = transformer()
+    plan = make_plan(cal, cal.smallest_budget(512 * MiB))
+    assert plan.predicted_peak_bytes == cal.smallest_peak()
+    assert all(u.retained(d) == 0 for u, d in zip(cal.units, plan.decisions))
+
+
+def test_cheap_choices_come_first_selective_before_recompute():
+    """Between the floor and everything kept, a selective recompute (cost 0.5 ms, 300 MiB kept)
+    beats a full one (2 ms) wherever its bytes fit."""
+    cal = transformer(rate=1.0)  # no link: nothing moves
+    plan = make_plan(cal, 10 * GiB)
+    used = set(plan.decisions)
+    assert Decision.SELECTIVE in used or Decision.SELECTIVE_MOVED in used
+    assert Decision.MOVE not in used
+    assert plan.predicted_step_s < evaluate(cal, tuple(SAFE[u.kind] for u in cal.units), 10 * GiB).predicted_step_s
+
+
+def test_moves_stay_within_what_the_compute_around_them_hides():
+    cal = transformer(rate=50e9)
+    plan = make_plan(cal, 11 * GiB)
+    for unit, decision in zip(cal.units, plan.decisions):
+        assert unit.moved(decision) <= 0.7 * cal.link_bytes_per_s * unit.hide_s or decision is SAFE[unit.kind]
+    forward = sum(u.forward_s for u in cal.units)
+    assert 0 < plan.moved_bytes <= 0.7 * cal.link_bytes_per_s * forward
+
+
+def test_a_forced_plan_is_evaluated_as_given():
+    cal = transformer()
+    forced = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
+    plan = evaluate(cal, forced, 16 * GiB)
+    assert plan.decisions == forced
+    assert plan.predicted_step_s == pytest.approx(cal.base_step_s() + 8 * 2e-3)
+    assert "recompute" in plan.table() and plan.to_dict()["decisions"] == {"keep": 2, "recompute": 8}
+

@@ -1,0 +1,143 @@
+"""Replay on the CPU: every decision trains exactly as plain autograd does, and the planner
+attaches to a model without changes to the training loop."""
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, Decision, find_units
+from um_alloc.planner.replay import Runtime, StepSpec
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_bert(dropout: float = 0.1):
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=dropout,
+                                     attention_probs_dropout_prob=dropout)
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(config).double().train()
+
+
+class Fixed:
+    """A director that gives every step the same decisions and counts what ended."""
+
+    def __init__(self, decisions):
+        self.decisions, self.ended = decisions, []
+
+    def begin(self, signature):
+        return StepSpec(self.decisions)
+
+    def end(self, step, completed):
+        self.ended.append(completed)
+
+
+def gradients(model, ids):
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def decisions_for(units, decision):
+    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
+    return tuple(decision if u.kind == "block" else gap for u in units) + (gap,)
+
+
+@pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
+def test_every_decision_gives_plain_autograds_gradients_in_float64(decision):
+    model = tiny_bert()
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
+    plain_loss, plain = gradients(model, ids)
+    units = find_units(model)
+    director = Fixed(decisions_for(units, decision))
+    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
+    runtime.attach()
+    loss, planned = gradients(model, ids)
+    moved = runtime.transfers.stats.out_bytes
+    runtime.detach()
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))  # dropout masks replayed exactly
+    assert director.ended == [True]
+    assert (moved > 0) == (decision is not Decision.KEEP)  # gaps move beside a recompute
+
+
+def test_detach_restores_the_modules():
+    model = tiny_bert()
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)), 1 << 20)
+    runtime.attach()
+    assert all("forward" in u.module.__dict__ for u in units)
+    runtime.detach()
+    assert not any("forward" in u.module.__dict__ for u in units)
+
+
+def test_batch_norm_counts_a_recomputed_batch_once():
+    """A recomputation reruns BatchNorm in training mode; its running statistics must come out as
+    after one forward, not two."""
+    from um_alloc.planner.blocks import Unit
+
+    def block():
+        return torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+
+    def statistics(net):
+        return [torch.cat([m.running_mean, m.running_var, m.num_batches_tracked.double().reshape(1)])
+                for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    plain, planned = torch.nn.Sequential(block(), block()), None
+    planned = torch.nn.Sequential(block(), block())
+    planned.load_state_dict(plain.state_dict())
+    plain(x).sum().backward()
+    units = [Unit("0", planned[0], "block"), Unit("1", planned[1], "block")]
+    runtime = Runtime(planned, units, torch.device("cpu"),
+                      Fixed((Decision.RECOMPUTE, Decision.SELECTIVE, Decision.KEEP)), 1 << 20)
+    runtime.attach()
+    planned(x).sum().backward()
+    runtime.detach()
+    assert all(torch.equal(a, b) for a, b in zip(statistics(plain), statistics(planned)))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), planned.parameters()))
+
+
+def test_the_planner_attaches_to_a_plain_loop_and_plans_after_two_steps():
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "1GiB")
+    for step in range(4):
+        ids = torch.randint(0, 97, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert (planner.plan is None) == (step < 2)
+    assert set(planner.plan.decisions) == {Decision.KEEP}  # no GPU memory is counted on the CPU
+    assert "predicted step" in planner.table()
+    assert planner.to_dict()["plan"]["decisions"] == {"keep": len(planner.units) + 1}
+    planner.remove()
+
+
+def test_evaluation_without_gradients_leaves_the_training_step_alone():
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    ids = torch.randint(0, 97, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        model(input_ids=ids)
+    loss.backward()  # the step begun before the evaluation still ends
+    assert planner._shapes and next(iter(planner._shapes.values())).calibrated == 0
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert next(iter(planner._shapes.values())).calibrated == 1
+    planner.remove()
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    model = tiny_bert()
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        BlockPlanner(model, "1GiB", strategy="fastest")
+    with pytest.raises(ValueError, match="no budget"):
+        BlockPlanner(model)
+    with pytest.raises(ValueError, match="decisions must be"):
+        BlockPlanner(model, "1GiB", decisions=["keep", "teleport"])
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        BlockPlanner(torch.nn.Linear(2, 2), "1GiB")
+    with pytest.raises(ValueError, match="budget"):
+        BlockPlanner(model, "-1GiB")

@@ -1,0 +1,272 @@
+"""The block planner: record → plan → replay, attached to a model.
+
+    planner = um_alloc.plan(model)            # the installed policy's budget; or budget="16GiB"
+    for batch in loader:                      # any loop: plain, Hugging Face Trainer, Lightning
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    print(planner.table())
+
+For each input shape, the first two training steps run in the safe mode (every block recomputed
+with its inputs in host memory, every gap's activations in host memory) and measure; the third
+runs the plan. A step that runs out of memory makes the planner keep less (its margin grows) and
+plan again; the loop decides whether to repeat the step (bert_example/train.py does).
+
+Troubleshooting:
+- "no repeated blocks found": the model has no ModuleList/Sequential of two or more modules of one
+  class; name the block classes: ``plan(model, block_classes=["MyLayer"])``.
+- PlanInfeasible: the budget is below what the safe mode needs; the message gives the smallest
+  budget that fits. Lower the batch, or keep optimizer state in host memory (host_optimizer.yaml).
+- A plan that runs out of memory: the next steps use a larger margin (``margin=`` sets the start).
+- Hugging Face models: ``config.use_cache`` is turned off, as their own gradient checkpointing does,
+  since a cache would be written again by each recomputation.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from ..install import installation, is_installed
+from ..offload import STAGE_BYTES
+from ..sizes import format_size, size_arg
+from .blocks import Unit, find_units
+from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, evaluate, make_plan
+from .record import MemoryProbe, StepRecorder, link_rate
+from .replay import Runtime, Step, StepSpec
+
+__all__ = ["BlockPlanner", "plan", "STRATEGIES"]
+
+log = logging.getLogger("um_alloc.planner")
+
+REST = "(outside the units)"         # what the model's forward saves outside every unit: its loss
+STRATEGIES = ("auto", "checkpoint")
+DEFAULT_DECISIONS = ("keep", "move", "recompute", "recompute_moved")  # auto: this planner; checkpoint: every block recomputed
+CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
+_KEEP_STARTS = 64                    # step start events kept for the measured step time
+
+
+@dataclass
+class _Shape:
+    """What the planner knows of one input shape."""
+    calibrated: int = 0
+    selective: dict = field(default_factory=dict)  # unit -> (bytes, matmul seconds), from the first step
+    calibration: Calibration | None = None
+    plan: Plan | None = None
+    failures: int = 0                              # safe-mode steps that ran out of memory
+
+
+class BlockPlanner:
+    """Keeps, recomputes or moves each block's activations so that training fits a GPU budget,
+    in the least predicted step time. See the module docstring.
+
+    Args:
+        model: the nn.Module to train; its repeated blocks are found by um_alloc.planner.blocks.
+        budget: GPU memory for the whole training (bytes or "16GiB"); default: the installed
+            policy's scheduler.budget.
+        strategy: "auto" (plan per block) or "checkpoint" (recompute every block: an ablation).
+        block_classes: class names of the blocks, where the search finds none or the wrong ones.
+        margin: room left under the budget (default 512 MiB); grows after an out-of-memory step.
+        window: bytes of copies back in flight ahead of backward (default 512 MiB).
+        hide_fraction: share of the link's time under compute that moves may take (default 0.7).
+        decisions: the decisions the plan may use (default DEFAULT_DECISIONS: keep, move,
+            recompute, recompute_moved). "selective" and "selective_moved" (PyTorch's selective
+            checkpointing: keep matmul and attention outputs, recompute the rest) save GPU time but
+            run every op through a Python dispatch mode, twice, which costs more CPU time than
+            many hosts can hide; ask for them where the GPU, not the CPU, sets the pace.
+
+    Raises:
+        ValueError: a bad argument, no budget, or no blocks in the model (before any GPU work).
+    """
+
+    def __init__(self, model: nn.Module, budget: int | str | None = None, *, strategy: str = "auto",
+                 block_classes: list[str] | None = None, margin: int | str = "512MiB",
+                 window: int | str = "512MiB", hide_fraction: float = 0.7,
+                 decisions: list[str] | None = None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"BlockPlanner: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if not 0 < hide_fraction <= 1:
+            raise ValueError(f"BlockPlanner: hide_fraction must be in (0, 1], got {hide_fraction!r}")
+        self.budget = _budget(budget)
+        self.margin = size_arg(margin, "margin", "BlockPlanner")
+        self.strategy, self.hide_fraction = strategy, hide_fraction
+        self.allowed = _decisions(decisions)
+        self.units: list[Unit] = find_units(model, block_classes)
+        if not any(u.kind == "block" for u in self.units):
+            raise ValueError(f"BlockPlanner: no repeated blocks found in {type(model).__name__} (no ModuleList or "
+                             "Sequential holds two or more modules of one class); pass block_classes=[...]")
+        self.device = _device_of(model)
+        self._probe = MemoryProbe(self.device)
+        self._reserved = STAGE_BYTES if self.device.type == "cuda" and is_installed() else 0
+        self._link: float | None = None
+        self._shapes: dict[tuple, _Shape] = {}
+        self._pending: tuple[_Shape, StepRecorder] | None = None
+        self._starts: list[tuple[Plan, object]] = []
+        self._current: Plan | None = None
+        self._ooms = self._probe.out_of_memory_count()
+        _no_cache(model)
+        self._runtime = Runtime(model, self.units, self.device, self,
+                                window=size_arg(window, "window", "BlockPlanner"))
+        self._runtime.attach()
+
+    # -- the director: what each step does --
+
+    def begin(self, signature: tuple) -> StepSpec:
+        self._close_calibration()
+        shape = self._shapes.setdefault(signature, _Shape())
+        if shape.failures >= 2:
+            raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
+                                 "activations in host memory) ran out of memory for this input shape; lower "
+                                 "the batch or keep optimizer state in host memory (host_optimizer.yaml)", 0)
+        if shape.plan is not None:
+            self._current = shape.plan
+            self._note_start(shape.plan)
+            return StepSpec(shape.plan.decisions, owner=shape)
+        first = shape.calibrated == 0
+        if first:
+            log.info("planner: measuring %d steps in the safe mode for input %s", CALIBRATION_STEPS,
+                     _shape_text(signature))
+        recorder = StepRecorder(self.device, self._probe, len(self.units) + 1)
+        self._pending = (shape, recorder)
+        safe = tuple(SAFE[u.kind] for u in self.units) + (SAFE["gap"],)
+        return StepSpec(safe, recorder, count_ops=first, full_recompute=True, owner=shape)
+
+    def end(self, step: Step, completed: bool) -> None:
+        if completed:
+            return
+        self._pending = None
+        ooms = self._probe.out_of_memory_count()
+        if step.oom or ooms > self._ooms:
+            self._ooms = ooms
+            if step.spec.recorder is not None:  # the safe mode itself did not fit
+                step.spec.owner.failures += 1
+                log.warning("planner: a step in the safe mode ran out of memory (%d of 2 tries)",
+                            step.spec.owner.failures)
+            else:
+                self.on_out_of_memory()
+
+    def _close_calibration(self) -> None:
+        """The step measured last ended at this forward: its figures become a calibration."""
+        if self._pending is None:
+            return
+        shape, recorder = self._pending
+        self._pending = None
+        recorder.mark("next forward")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._link is None:
+            self._link = link_rate(self.device)
+        names = [(u.name, u.kind) for u in self.units] + [(REST, "gap")]
+        cal = recorder.calibration(names, recorder.marks[-1].clock, self._link, self._reserved)
+        shape.calibrated += 1
+        if shape.calibrated < CALIBRATION_STEPS:
+            shape.selective = {j: (u.selective_bytes, u.matmul_s) for j, u in enumerate(cal.units)}
+            return
+        shape.calibration = _with_selective(cal, shape.selective)
+        shape.plan = self._make(shape.calibration)
+
+    def _make(self, cal: Calibration) -> Plan:
+        if self.strategy == "checkpoint":
+            forced = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
+            made = evaluate(cal, forced, self.budget, margin_bytes=self.margin)
+        else:
+            made = make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
+                             allowed=self.allowed)
+        log.info("planner: %s", made.table().splitlines()[-1])
+        return made
+
+    def on_out_of_memory(self) -> None:
+        """A planned step ran out of memory: keep less from now on (a larger margin), plan again."""
+        self.margin += max(256 << 20, self.budget // 16)
+        log.warning("planner: a step ran out of memory; margin now %s, planning again", format_size(self.margin))
+        for shape in self._shapes.values():
+            if shape.calibration is not None:
+                shape.plan = self._make(shape.calibration)
+
+    # -- what users read --
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the input shape seen last (None while calibrating)."""
+        return self._current
+
+    def measured_step_s(self) -> float | None:
+        """Median time of the last planned steps of the current plan, start to start (synchronizes)."""
+        if len(self._starts) < 2 or self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        current = self._starts[-1][0]
+        times = [a[1].elapsed_time(b[1]) / 1e3 for a, b in zip(self._starts, self._starts[1:])
+                 if a[0] is current and b[0] is current]
+        return statistics.median(times) if times else None
+
+    def table(self) -> str:
+        return self.plan.table() if self.plan else "planner: no plan yet (the first steps measure)"
+
+    def to_dict(self) -> dict:
+        out = {"strategy": self.strategy, "budget_bytes": self.budget, "margin_bytes": self.margin,
+               "units": len(self.units), "blocks": sum(u.kind == "block" for u in self.units)}
+        if self.plan:
+            out.update(plan=self.plan.to_dict(), measured_step_s=self.measured_step_s())
+        return out
+
+    def remove(self) -> None:
+        """Detaches from the model: its units run as they did before."""
+        self._runtime.detach()
+
+    def _note_start(self, current: Plan) -> None:
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        self._starts = self._starts[-_KEEP_STARTS + 1:] + [(current, event)]
+
+
+def plan(model: nn.Module, budget: int | str | None = None, **options) -> BlockPlanner:
+    """Attaches a BlockPlanner to `model` (see BlockPlanner for the options); returns it."""
+    return BlockPlanner(model, budget, **options)
+
+
+def _with_selective(cal: Calibration, selective: dict) -> Calibration:
+    """The second step's figures, with the kept ops' bytes and time counted in the first."""
+    units = tuple(replace(u, selective_bytes=selective.get(j, (0, 0.0))[0], matmul_s=selective.get(j, (0, 0.0))[1])
+                  for j, u in enumerate(cal.units))
+    return replace(cal, units=units)
+
+
+def _decisions(names) -> frozenset[Decision]:
+    names = DEFAULT_DECISIONS if names is None else names
+    allowed = {d.value: d for d in Decision}
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(f"BlockPlanner: decisions must be a non-empty list of {', '.join(allowed)}; got {list(names)!r}")
+    return frozenset(allowed[n] for n in names)
+
+
+def _budget(value) -> int:
+    if value is not None:
+        return size_arg(value, "budget", "BlockPlanner")
+    if is_installed() and installation().budget:
+        return installation().budget
+    raise ValueError("BlockPlanner: no budget: pass budget='16GiB', or install um_alloc with a policy "
+                     "that sets scheduler.budget (or install(budget=...))")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _no_cache(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+        log.info("planner: config.use_cache turned off (a recomputation would write the cache again)")
+
+
+def _shape_text(signature: tuple) -> str:
+    return ", ".join("x".join(map(str, shape)) for shape, _ in signature) or "(no tensors)"

@@ -1,0 +1,361 @@
+"""Plan: from what calibration measured to a decision per unit, minimising the predicted step time
+with the predicted peak within the budget.
+
+Pure data in, data out: no torch, no GPU, so every choice can be tested on synthetic figures.
+
+The model. Calibration ran a step in the *safe* mode (every block recomputed with its inputs in
+host memory, every gap's saved tensors in host memory) and measured, per unit, the bytes each
+choice keeps on the GPU and the time it costs, and, per stretch of the step between two hook
+points (a *segment*), the GPU's live peak and which units' activations were held across it.
+Choosing a decision for unit j adds ``delta_j = retained_j(decision) - retained_j(safe) >= 0``
+bytes to every segment that holds unit j, so
+
+    predicted peak = max over segments s of (peak_s + sum of delta_j over the units s holds)
+
+and the predicted step time is the safe step's time less its recomputation plus what the chosen
+decisions cost. Moves cost no time as long as the link carries them behind compute: a unit may
+move only bytes the link can copy out in the forward left after it and back in the backward
+before it, and the plan as a whole no more than the link carries in the shorter of forward and
+backward (``hide_fraction`` of it). Within that, a dynamic programme over units in execution
+order (state: bytes added so far, bytes moved so far) finds the cheapest plan.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..sizes import format_size
+
+__all__ = ["Decision", "UnitCost", "Segment", "Calibration", "Plan", "PlanInfeasible", "make_plan",
+           "BLOCK_DECISIONS", "GAP_DECISIONS"]
+
+
+class Decision(str, enum.Enum):
+    """How a unit's activations survive until backward."""
+    KEEP = "keep"                          # saved tensors stay on the GPU
+    MOVE = "move"                          # saved tensors go to host memory, back ahead of backward
+    SELECTIVE = "selective"                # keep matmul/conv/attention outputs, recompute the rest
+    SELECTIVE_MOVED = "selective_moved"    # the same, its inputs in host memory
+    RECOMPUTE = "recompute"                # keep only its inputs, rerun its forward in backward
+    RECOMPUTE_MOVED = "recompute_moved"    # the same, its inputs in host memory
+
+    @property
+    def recomputes(self) -> bool:
+        return self in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED, Decision.RECOMPUTE,
+                        Decision.RECOMPUTE_MOVED)
+
+    @property
+    def moves_inputs(self) -> bool:
+        return self in (Decision.SELECTIVE_MOVED, Decision.RECOMPUTE_MOVED)
+
+
+BLOCK_DECISIONS = tuple(Decision)
+GAP_DECISIONS = (Decision.KEEP, Decision.MOVE)  # a gap is not in a container the plan can rerun
+SAFE = {"block": Decision.RECOMPUTE_MOVED, "gap": Decision.MOVE}
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What calibration measured for one unit, summed over its calls in one step."""
+    name: str
+    kind: str                    # "block" or "gap"
+    forward_s: float             # its forward
+    recompute_s: float = 0.0     # rerunning its forward in backward (blocks)
+    matmul_s: float = 0.0        # the part of recompute_s a selective recompute does not redo
+    saved_bytes: int = 0         # what autograd saves for its backward
+    selective_bytes: int = 0     # what a selective recompute keeps: matmul/conv/attention outputs
+    input_bytes: int = 0         # its inputs, which a recompute keeps or moves
+    hide_s: float = 0.0          # compute that can hide its copies: min(forward after it, backward before it)
+
+    def retained(self, decision: Decision) -> int:
+        """Bytes this unit holds on the GPU from its forward to its backward."""
+        return {
+            Decision.KEEP: self.saved_bytes + self.input_bytes,
+            Decision.MOVE: 0,
+            Decision.SELECTIVE: self.selective_bytes + self.input_bytes,
+            Decision.SELECTIVE_MOVED: self.selective_bytes,
+            Decision.RECOMPUTE: self.input_bytes,
+            Decision.RECOMPUTE_MOVED: 0,
+        }[decision]
+
+    def moved(self, decision: Decision) -> int:
+        """Bytes this unit sends over the link each way."""
+        if decision is Decision.MOVE:
+            return self.saved_bytes + self.input_bytes
+        return self.input_bytes if decision.moves_inputs else 0
+
+    def cost_s(self, decision: Decision, rate: float = math.inf, hide_scale: float = 1.0) -> float:
+        """Time this decision adds to a step in which everything stays on the GPU. Its copies cost
+        what the link takes beyond the compute around the unit (hide_s, scaled to the planned step's
+        pace), out and back; a move the link hides costs a microsecond a gigabyte (the copies through
+        the stage), which also breaks a tie between keeping and moving in favour of keeping."""
+        moving = self.moved(decision) * 1e-15
+        rerun = min(self.forward_s, self.recompute_s)
+        if decision in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED):
+            return rerun + moving
+        if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
+            return max(rerun - self.matmul_s, 0.2 * rerun) + moving
+        return moving
+
+    def allowed(self) -> tuple[Decision, ...]:
+        return BLOCK_DECISIONS if self.kind == "block" else GAP_DECISIONS
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the calibration step between two hook points."""
+    label: str
+    peak_bytes: int              # GPU-live peak within it
+    held: tuple[int, ...] = ()   # indices of the units whose activations were held across it
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything the planner knows about one input shape, from a measured step."""
+    units: tuple[UnitCost, ...]
+    segments: tuple[Segment, ...]
+    step_s: float                # the safe step, from its forward to the next one's
+    link_bytes_per_s: float      # pinned host <-> device copies, the slower direction
+    fragmentation_bytes: int = 0  # what the allocator held beyond live bytes at the peak
+    reserved_bytes: int = 0      # device memory outside the budget's view (copy stages)
+
+    def base_step_s(self) -> float:
+        """The step with everything kept. In the safe step each block ran its forward twice: once
+        with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
+        backward (recompute_s). Kept, it runs once, as fast as the faster of the two."""
+        blocks = [u for u in self.units if u.kind == "block"]
+        return max(self.step_s - sum(max(u.forward_s, u.recompute_s) for u in blocks), 0.0)
+
+    def hide_scale(self) -> float:
+        """How much shorter a kept forward is than the safe step's: compute the copies of a plan
+        hide under is this share of what calibration saw around them."""
+        safe = sum(u.forward_s for u in self.units)
+        kept = sum(min(u.forward_s, u.recompute_s) if u.kind == "block" else u.forward_s for u in self.units)
+        return kept / safe if safe > 0 else 1.0
+
+    def smallest_peak(self) -> int:
+        return max((s.peak_bytes for s in self.segments), default=0)
+
+    def smallest_budget(self, margin_bytes: int) -> int:
+        """The least budget any plan fits in: the safe mode's peak and what comes with it."""
+        return self.smallest_peak() + self.fragmentation_bytes + self.reserved_bytes + margin_bytes
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits the budget; `smallest_bytes` is the least budget one would fit."""
+
+    def __init__(self, message: str, smallest_bytes: int):
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decision per unit, and what the model predicts for it."""
+    decisions: tuple[Decision, ...]
+    units: tuple[UnitCost, ...] = field(repr=False)
+    budget_bytes: int
+    limit_bytes: int             # the live bytes the plan may reach: budget less margins
+    predicted_step_s: float
+    predicted_peak_bytes: int
+    moved_bytes: int
+
+    def rows(self) -> list[dict]:
+        return [{"unit": u.name, "kind": u.kind, "decision": d.value, "retained_bytes": u.retained(d),
+                 "moved_bytes": u.moved(d), "forward_ms": 1e3 * u.forward_s, "cost_ms": 1e3 * u.cost_s(d)}
+                for u, d in zip(self.units, self.decisions)]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self.decisions:
+            out[d.value] = out.get(d.value, 0) + 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+                "predicted_step_s": self.predicted_step_s, "predicted_peak_bytes": self.predicted_peak_bytes,
+                "moved_bytes": self.moved_bytes, "decisions": self.counts(), "units": self.rows()}
+
+    def table(self) -> str:
+        """One row per unit: decision, bytes kept and moved, predicted ms; then the totals."""
+        head = f"{'unit':<34}{'decision':<17}{'kept':>11}{'moved':>11}{'fwd ms':>8}{'+ms':>7}"
+        lines = [head, "-" * len(head)]
+        for r in self.rows():
+            lines.append(f"{r['unit'][-33:]:<34}{r['decision']:<17}{format_size(r['retained_bytes']):>11}"
+                         f"{format_size(r['moved_bytes']):>11}{r['forward_ms']:>8.2f}{r['cost_ms']:>7.2f}")
+        lines.append("-" * len(head))
+        lines.append(f"predicted step {1e3 * self.predicted_step_s:.1f} ms, peak "
+                     f"{format_size(self.predicted_peak_bytes)} of {format_size(self.limit_bytes)} "
+                     f"(budget {format_size(self.budget_bytes)}), moved {format_size(self.moved_bytes)} each way; "
+                     + ", ".join(f"{n} {k}" for k, n in self.counts().items()))
+        return "\n".join(lines)
+
+
+def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 << 20,
+              allowed: frozenset[Decision] | None = None, hide_fraction: float = 0.7,
+              unit_bytes: int = 8 << 20, link_unit_bytes: int = 32 << 20) -> Plan:
+    """The fastest plan whose predicted peak stays within the budget.
+
+    `allowed` narrows the decisions (ablations); `hide_fraction` is the share of the link's time
+    under compute that moves may use. Raises PlanInfeasible (with the smallest budget that would
+    fit) when even the safe mode does not fit.
+    """
+    limit = budget_bytes - margin_bytes - cal.fragmentation_bytes - cal.reserved_bytes
+    floor = cal.smallest_peak()
+    if floor > limit:
+        smallest = cal.smallest_budget(margin_bytes)
+        raise PlanInfeasible(
+            f"budget {format_size(budget_bytes)} is too small for this model and batch: even with every "
+            f"block recomputed and every movable activation in host memory the step peaks at "
+            f"{format_size(floor)} on the GPU, and {format_size(smallest - floor)} more is needed beside it "
+            f"(margin, fragmentation, copy stages); the smallest budget that fits is {format_size(smallest)}",
+            smallest)
+    options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale()) for u in cal.units]
+    link_room = _link_room(cal, hide_fraction)
+    lowest = min((s.peak_bytes for s in cal.segments), default=0)  # where a prefix has the most room
+    grid = _Grid(limit - floor, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
+    choice = _cheapest(cal, options, limit, grid)
+    decisions = tuple(options[j][i][0] for j, i in enumerate(choice))
+    return _evaluate(cal, decisions, budget_bytes, limit, link_room)
+
+
+def evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, *,
+             margin_bytes: int = 512 << 20) -> Plan:
+    """The prediction for given decisions (a forced ablation, or a plan to check)."""
+    limit = budget_bytes - margin_bytes - cal.fragmentation_bytes - cal.reserved_bytes
+    return _evaluate(cal, tuple(decisions), budget_bytes, limit, _link_room(cal, 0.7))
+
+
+def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, limit: int,
+              link_room: int) -> Plan:
+    safe = [u.retained(SAFE[u.kind]) for u in cal.units]
+    delta = [u.retained(d) - s for u, d, s in zip(cal.units, decisions, safe)]
+    peak = max((s.peak_bytes + sum(delta[j] for j in s.held) for s in cal.segments), default=0)
+    moved = sum(u.moved(d) for u, d in zip(cal.units, decisions))
+    rate, scale = cal.link_bytes_per_s, cal.hide_scale()
+    step = (cal.base_step_s() + sum(u.cost_s(d, rate, scale) for u, d in zip(cal.units, decisions))
+            + _stall_s(moved, link_room, cal.link_bytes_per_s))
+    return Plan(decisions, cal.units, budget_bytes, limit, step, peak, moved)
+
+
+def _stall_s(moved: int, link_room: int, rate: float) -> float:
+    """Bytes beyond what hides under compute wait for the link, out in forward and back in backward."""
+    return 2 * max(moved - link_room, 0) / rate if rate > 0 else 0.0
+
+
+def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: float
+             ) -> list[tuple[Decision, int, int, float]]:
+    """(decision, bytes added over the safe mode, bytes moved, seconds added) for each choice that
+    is allowed and whose moves the link can hide behind the compute around this unit. The safe
+    choice is always there: it is what calibration ran, so it keeps the budget whatever it costs."""
+    safe_decision = SAFE[unit.kind]
+    safe = unit.retained(safe_decision)
+    out = []
+    for d in unit.allowed():
+        if allowed is not None and d not in allowed and d is not safe_decision:
+            continue
+        if d is not safe_decision and unit.moved(d) > hide_fraction * rate * scale * unit.hide_s:
+            continue
+        out.append((d, unit.retained(d) - safe, unit.moved(d), unit.cost_s(d, rate, scale)))
+    return out
+
+
+def _link_room(cal: Calibration, hide_fraction: float) -> int:
+    """Bytes the link may carry each way in a step: both directions must hide under compute, and
+    the planned forward is the kept one, shorter than the safe step's (hide_scale)."""
+    forward = sum(u.forward_s for u in cal.units) * cal.hide_scale()
+    backward = max(cal.base_step_s() - forward, 0.0)
+    return int(min(hide_fraction * cal.link_bytes_per_s * min(forward, backward), 2.0**62))
+
+
+def _caps(cal: Calibration, limit: int, n: int) -> list[float]:
+    """cap[k]: the most bytes the first k units may add, from the segments whose held units all
+    come before k (a segment holding any of units 0..k-1 is bounded by the prefix through its last)."""
+    caps = [math.inf] * (n + 1)
+    for s in cal.segments:
+        k = max(s.held) + 1 if s.held else 0
+        caps[k] = min(caps[k], limit - s.peak_bytes)
+    return caps
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The programme's state space: bytes added (rows) and bytes moved (columns), in whole units
+    rounded up, so that a plan found on it keeps the budget it was found for."""
+    room: int                   # the most bytes any prefix of the units may add over the safe mode
+    link_room: int              # bytes the link hides each way
+    rate: float                 # link bytes per second
+    unit: int
+    link_unit: int
+
+    def rows(self, options) -> int:
+        most = sum(max(-(-o[1] // self.unit) for o in opts) for opts in options)
+        return min(self.room // self.unit, most) + 1
+
+    def cols(self, options) -> int:
+        safe_moves = sum(-(-max(o[2] for o in opts) // self.link_unit) for opts in options)
+        return min(3 * self.link_room // self.link_unit, safe_moves) + 1
+
+    def stall_s(self, cols: int) -> np.ndarray:
+        moved = np.arange(cols) * self.link_unit
+        return np.array([_stall_s(int(m), self.link_room, self.rate) for m in moved])
+
+
+def _cheapest(cal: Calibration, options, limit: int, grid: _Grid) -> list[int]:
+    """The dynamic programme: the option index per unit with the least total cost.
+
+    A prefix's added bytes are bounded by every segment whose held units all lie in that prefix
+    (conservative for a segment that holds fewer of them). Moves beyond what hides cost the wait
+    for the link, added at the end from the bytes moved.
+    """
+    rows, cols = grid.rows(options), grid.cols(options)
+    caps = _caps(cal, limit, len(options))
+    cost = np.full((rows, cols), np.inf)
+    cost[0, 0] = 0.0 if caps[0] >= 0 else np.inf
+    picks = []
+    for k, opts in enumerate(options):
+        best = np.full((rows, cols), np.inf)
+        pick = np.full((rows, cols), -1, dtype=np.int16)
+        for i, (_, added, moved, seconds) in enumerate(opts):
+            a, m = -(-added // grid.unit), -(-moved // grid.link_unit)
+            if a >= rows or m >= cols:
+                continue
+            shifted = np.full((rows, cols), np.inf)
+            shifted[a:, m:] = cost[:rows - a, :cols - m] + seconds
+            better = shifted < best
+            best[better], pick[better] = shifted[better], i
+        if caps[k + 1] < math.inf:
+            best[max(int(caps[k + 1] // grid.unit) + 1, 0):, :] = np.inf
+        cost = best
+        picks.append(pick)
+    total = cost + grid.stall_s(cols)[None, :]
+    if not np.isfinite(total).any():
+        raise PlanInfeasible("no plan fits: at some point of the step the measured peak leaves no room for "
+                             "what that point holds", cal.smallest_budget(0))
+    r, c = np.unravel_index(np.argmin(total), total.shape)
+    return _backtrack(options, picks, int(r), int(c), grid.unit, grid.link_unit)
+
+
+def _backtrack(options, picks, r, c, unit_bytes, link_unit_bytes) -> list[int]:
+    chosen = []
+    for k in range(len(options) - 1, -1, -1):
+        i = int(picks[k][r, c])
+        chosen.append(i)
+        _, added, moved, _ = options[k][i]
+        r -= -(-added // unit_bytes)
+        c -= -(-moved // link_unit_bytes)
+    return chosen[::-1]
+
+
+def calibration_to_dict(cal: Calibration) -> dict:
+    return asdict(cal)
+
+
+def calibration_from_dict(data: dict) -> Calibration:
+    return Calibration(units=tuple(UnitCost(**u) for u in data["units"]),
+                       segments=tuple(Segment(s["label"], s["peak_bytes"], tuple(s["held"]))
+                                      for s in data["segments"]),
+                       **{k: v for k, v in data.items() if k not in ("units", "segments")})

@@ -1,0 +1,219 @@
+"""Record: what one calibration step measures, as plain data for the planner.
+
+A step is a sequence of *marks*: the forward's start and end, each unit's forward (before and
+after), each unit's backward (when the gradient reaches its output), each recomputation (enter
+and exit) and the backward's end. Each mark takes the time (a CUDA event, read once the step is
+over, so nothing waits) and the GPU's live bytes with their peak since the mark before. From the
+marks come each unit's forward and recompute time, the bytes a recompute rebuilt (what the unit
+saves when kept), the segments between marks with their peaks and the units they hold, and the
+time under which each unit's copies can hide.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..install import is_installed
+from ..pool import ChunkPool
+from .planning import Calibration, Segment, UnitCost
+
+__all__ = ["MemoryProbe", "StepRecorder", "link_rate"]
+
+
+class MemoryProbe:
+    """GPU live bytes and their peak since the last look: the pool's count of tags kept in GPU
+    memory under um_alloc, the caching allocator's otherwise; zeros on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pool = ChunkPool.for_device(device.index) if device.type == "cuda" and is_installed() else None
+
+    def look(self) -> tuple[int, int]:
+        """(live now, peak since the previous look); the peak starts over."""
+        if self._pool is not None:
+            live, peak = self._pool.device_live()
+            self._pool.reset_device_peak()
+            return live, peak
+        if self.device.type == "cuda":
+            live, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return live, peak
+        return 0, 0
+
+    def held_beyond_live(self, live_peak: int) -> int:
+        """What the allocator held on the GPU beyond live bytes, at most, since it started: chunks
+        the pool backs but does not fill, or the caching allocator's cached blocks."""
+        if self._pool is not None:
+            return max(self._pool.raw_stats()["peak_backed_bytes"] - live_peak, 0)
+        if self.device.type == "cuda":
+            return max(torch.cuda.max_memory_reserved(self.device) - live_peak, 0)
+        return 0
+
+    def out_of_memory_count(self) -> int:
+        if self._pool is not None:
+            return self._pool.raw_stats()["num_ooms"]
+        if self.device.type == "cuda":
+            return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
+        return 0
+
+
+@dataclass
+class _Mark:
+    label: str
+    unit: int | None
+    clock: object             # torch.cuda.Event or a perf_counter float
+    live: int
+    peak: int                 # since the previous mark
+
+
+@dataclass
+class _UnitSeen:
+    posts: list[int] = field(default_factory=list)       # mark indices
+    backwards: list[int] = field(default_factory=list)
+    forward_s: float = 0.0
+    recompute_s: float = 0.0
+    rebuilt_bytes: int = 0    # live bytes a recompute added: what the unit saves when kept
+    moved_bytes: int = 0      # saved bytes it sent to host memory in forward (a moved unit)
+    input_bytes: int = 0
+    selective_bytes: int = 0
+    matmul_s: float = 0.0
+
+
+class StepRecorder:
+    """Collects the marks of one step; ``calibration()`` turns them into the planner's data."""
+
+    def __init__(self, device: torch.device, probe: MemoryProbe, n_units: int):
+        self.device, self.probe = device, probe
+        self.marks: list[_Mark] = []
+        self.units = [_UnitSeen() for _ in range(n_units)]
+        self._pairs: list[tuple[str, int, int, int]] = []  # (kind, unit, start mark, end mark)
+        self._ops: list[tuple[int, object, object]] = []   # (unit, start, end) of kept ops
+        self.probe.look()
+
+    def mark(self, label: str, unit: int | None = None) -> int:
+        live, peak = self.probe.look()
+        self.marks.append(_Mark(label, unit, self._clock(), live, peak))
+        index = len(self.marks) - 1
+        if unit is not None and label == "post":
+            self.units[unit].posts.append(index)
+        elif unit is not None and label == "backward":
+            self.units[unit].backwards.append(index)
+        return index
+
+    def pair(self, kind: str, unit: int, start: int, end: int) -> None:
+        """A unit's forward ("forward") or recomputation ("recompute") ran between two marks."""
+        self._pairs.append((kind, unit, start, end))
+        if kind == "recompute":
+            self.units[unit].rebuilt_bytes += max(self.marks[end].live - self.marks[start].live, 0)
+
+    def kept_op(self, unit: int):
+        """A matmul, convolution or attention op starts in a recomputation; call what this returns
+        with its output's bytes when it is done."""
+        start = self._clock()
+
+        def done(out_bytes: int) -> None:
+            self.units[unit].selective_bytes += out_bytes
+            self._ops.append((unit, start, self._clock()))
+        return done
+
+    def _clock(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, start, end) -> float:
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1e3
+
+    def calibration(self, names: list[tuple[str, str]], next_start, link_bytes_per_s: float,
+                    reserved_bytes: int) -> Calibration:
+        """The planner's data; `names` are the units' (name, kind), the last of them what is saved
+        outside every unit; `next_start` the clock of the next step's forward (the step ends there),
+        after a synchronize."""
+        self._place_rest()
+        for kind, unit, start, end in self._pairs:
+            seconds = self._seconds(self.marks[start].clock, self.marks[end].clock)
+            seen = self.units[unit]
+            if kind == "forward":
+                seen.forward_s += seconds
+            else:
+                seen.recompute_s += seconds
+        for unit, start, end in self._ops:
+            self.units[unit].matmul_s += self._seconds(start, end)
+        hide = self._hide_times()
+        units = tuple(UnitCost(name, kind, s.forward_s, s.recompute_s, s.matmul_s,
+                               s.rebuilt_bytes if kind == "block" else s.moved_bytes,
+                               s.selective_bytes, s.input_bytes, hide[j])
+                      for j, ((name, kind), s) in enumerate(zip(names, self.units)))
+        live_peak = max((m.peak for m in self.marks), default=0)
+        return Calibration(units, self._segments(), self._seconds(self.marks[0].clock, next_start),
+                           link_bytes_per_s, self.probe.held_beyond_live(live_peak), reserved_bytes)
+
+    def _place_rest(self) -> None:
+        """What is saved outside the units (a loss inside the model's forward, mostly) is held from
+        the forward's end until backward begins: from there it is being used, as a unit's saved
+        tensors are in its own backward (the calibration's peaks hold it then, moved or not)."""
+        labels = [m.label for m in self.marks]
+        rest = self.units[-1]
+        if "forward end" in labels and not rest.posts:
+            rest.posts.append(labels.index("forward end"))
+            if "backward" in labels:
+                rest.backwards.append(labels.index("backward"))
+
+    def _segments(self) -> tuple[Segment, ...]:
+        spans = []
+        for j, seen in enumerate(self.units):
+            if seen.posts:
+                spans.append((j, seen.posts[0], max(seen.backwards) if seen.backwards else len(self.marks)))
+        out = []
+        for k in range(1, len(self.marks)):
+            held = tuple(j for j, first, last in spans if first <= k - 1 and last >= k)
+            label = f"{self._name(k - 1)} -> {self._name(k)}"
+            out.append(Segment(label, self.marks[k].peak, held))
+        return tuple(out)
+
+    def _name(self, k: int) -> str:
+        m = self.marks[k]
+        return m.label if m.unit is None else f"{m.label} {m.unit}"
+
+    def _hide_times(self) -> list[float]:
+        """Per unit: min(compute after its forward until backward begins, backward before its own),
+        the time its copies out and back have to hide under."""
+        starts = [k for k, m in enumerate(self.marks) if m.label in ("backward", "backward start")]
+        if not starts:
+            return [0.0] * len(self.units)
+        first_backward = self.marks[min(starts)].clock
+        out = []
+        for seen in self.units:
+            if not seen.posts or not seen.backwards:
+                out.append(0.0)
+                continue
+            after = self._seconds(self.marks[seen.posts[-1]].clock, first_backward)
+            before = self._seconds(first_backward, self.marks[max(seen.backwards)].clock)
+            out.append(max(min(after, before), 0.0))
+        return out
+
+
+def link_rate(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Bytes per second of pinned-host copies to and from device memory, the slower direction.
+    A CPU device has no link: infinity."""
+    if device.type != "cuda":
+        return float("inf")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for copy in (lambda: host.copy_(gpu, non_blocking=True), lambda: gpu.copy_(host, non_blocking=True)):
+        copy()  # the first copy pays for mapping the pinned pages
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            copy()
+        end.record()
+        end.synchronize()
+        rates.append(3 * nbytes / (start.elapsed_time(end) / 1e3))
+    return min(rates)

@@ -1,0 +1,367 @@
+"""Replay: carrying out one decision per unit while the model runs, through module hooks only.
+
+Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``detach``):
+
+- keep: it runs as it is.
+- move: it runs under the transfer engine's saved-tensor hooks (um_alloc.offload's copies through
+  stages on side streams): what autograd saves goes to pinned host memory and comes back ahead of
+  backward, started when the gradient reaches each unit.
+- recompute / selective: it runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state kept, so
+  dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint policy, which keeps
+  the outputs of matmuls, convolutions and attention and recomputes the rest. BatchNorm's running
+  statistics are not updated a second time by the recomputation.
+- ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
+  after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
+
+A step begins at the root module's forward with gradients enabled and ends when autograd's
+backward has finished (a callback queued from the first gradient hook); a step whose backward never
+came is closed at the next forward. The director (the planner) gives each step its decisions and
+whether to record it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..offload import ActivationOffload
+from ..tensor_trees import tensors as _tensors
+from .blocks import Unit
+from .planning import Decision
+from .record import StepRecorder
+
+__all__ = ["Runtime", "StepSpec", "SAVED_OPS"]
+
+MiB = 1 << 20
+
+
+def _aten_ops(*names: str) -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+# What a selective recomputation keeps: the expensive ops, whose outputs are worth their bytes.
+SAVED_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution",
+                      "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                      "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                      "_efficient_attention_forward")
+
+
+def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    if func in SAVED_OPS and not _draws_random(func, args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _draws_random(func, args, kwargs) -> bool:
+    """Attention with dropout draws random numbers. Kept instead of rerun, it would leave the
+    recomputation's random stream behind the forward's, and every later dropout mask would differ."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[i] if i < len(args) else argument.default_value)
+            return bool(value)
+    return False
+
+
+class Director(Protocol):
+    def begin(self, signature: tuple) -> "StepSpec | None": ...
+    def end(self, step: "Step", completed: bool) -> None: ...
+
+
+@dataclass
+class StepSpec:
+    """What the director wants of one step."""
+    decisions: tuple[Decision, ...]
+    recorder: StepRecorder | None = None
+    count_ops: bool = False        # time and size the ops a selective recompute keeps
+    full_recompute: bool = False   # no early stop: a recompute rebuilds all a unit saves
+    owner: Any = None              # the director's own record of the step's input shape
+
+
+@dataclass
+class Step:
+    spec: StepSpec
+    transfers: ActivationOffload
+    in_backward: bool = False
+    done: bool = False
+    oom: bool = False
+    open_pairs: dict = field(default_factory=dict)
+
+    def mark(self, label: str, unit: int | None = None) -> int | None:
+        return self.spec.recorder.mark(label, unit) if self.spec.recorder else None
+
+
+class _Parked:
+    """A large input of a recomputed call, in the slot checkpoint keeps instead of the tensor: the
+    tensor itself until it moves, then its host copy, fetched back for the recomputation."""
+    __slots__ = ("tensor", "entry", "requires_grad", "transfers")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.entry, self.transfers = tensor, None, None
+        self.requires_grad = tensor.requires_grad
+
+    def fetch(self) -> None:
+        """Back from host memory, if it went there (once: the recomputation reads it next)."""
+        if self.tensor is None and self.entry is not None:
+            # A leaf with the original's requires_grad: autograd saves the same tensors as in forward.
+            self.tensor = self.transfers.unpack(self.entry).detach().requires_grad_(self.requires_grad)
+            self.entry = None
+
+    def value(self) -> torch.Tensor:
+        self.fetch()
+        return self.tensor
+
+    def move_out(self, transfers: ActivationOffload) -> int:
+        self.entry, self.transfers = transfers.stash(self.tensor), transfers
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.tensor = None
+        return nbytes
+
+
+class _Enter:
+    """Several context managers entered as one, when the time comes (checkpoint's context_fn
+    returns them at forward and enters the second only when backward recomputes)."""
+
+    def __init__(self, *factories: Callable[[], Any]):
+        self._factories, self._stack = factories, None
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        for make in self._factories:
+            self._stack.enter_context(make())
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+
+class _KeptOpTimer(TorchDispatchMode):
+    """Calibration: the bytes and time of the ops a selective recomputation would keep."""
+
+    def __init__(self, recorder: StepRecorder, unit: int):
+        super().__init__()
+        self._recorder, self._unit = recorder, unit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        done = self._recorder.kept_op(self._unit)
+        out = func(*args, **(kwargs or {}))
+        done(sum(t.numel() * t.element_size() for t in _tensors(out)))
+        return out
+
+
+class Runtime:
+    """Wraps the units' forwards and the root's hooks; asks the director what each step does."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], device: torch.device, director: Director,
+                 window: int, min_bytes: int = MiB):
+        self.model, self.units, self.device, self.director = model, units, device, director
+        self.rest = len(units)                # the decision index of what is saved outside every unit
+        self.min_bytes = min_bytes
+        # The transfer engine for moved activations and inputs: an offload with no budget of its
+        # own (everything it is given moves), its copies back driven by the units' backward.
+        self.transfers = ActivationOffload(None, window=window, min_bytes=min_bytes, device=device, rebuild=False)
+        self._anchor = torch.empty(0, device=device)  # a tensor on the device among checkpoint's
+        #                                              arguments, so that it keeps that device's RNG state
+        self._norms = [[m for m in u.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+                       for u in units]
+        self._step: Step | None = None       # the training step whose forward is running
+        self._open: Step | None = None       # the last step begun, until its backward ends
+        self._where: int = self.rest          # the unit whose forward is running
+        self._hooks = None                   # the root's saved-tensor hooks, while its forward runs
+        self._handles: list = []
+
+    # -- attaching --
+
+    def attach(self) -> None:
+        for index, unit in enumerate(self.units):
+            forward = unit.module.forward
+            unit.module.forward = functools.partial(self._call, index, forward)
+        self._handles = [self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
+                         self.model.register_forward_hook(self._end_forward, always_call=True)]
+
+    def detach(self) -> None:
+        for unit in self.units:
+            unit.module.__dict__.pop("forward", None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.close_open_step()
+
+    # -- steps --
+
+    def _begin(self, module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            self._step = None  # evaluation: the units run as they are; an open step stays open
+            return
+        self.close_open_step()
+        spec = self.director.begin(_signature(args, kwargs))
+        if spec is None:
+            self._step = None
+            return
+        self._step = self._open = Step(spec, self.transfers)
+        self.transfers.begin_step()
+        self._where = self.rest
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.transfers.unpack)
+        self._hooks.__enter__()
+        self._step.mark("forward start")
+
+    def _end_forward(self, module, args, output) -> None:
+        step, self._step = self._step, None
+        if self._hooks is not None:  # also when forward raised (always_call)
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        if step is None:
+            return
+        step.mark("forward end")
+        self._on_backward(step, None, output)
+
+    def _pack(self, tensor: torch.Tensor):
+        """What autograd saves outside checkpointed units: kept, or moved as the unit (or, outside
+        every unit, the rest) was told. Checkpointed units save under checkpoint's own hooks."""
+        step = self._step
+        if step is None or step.spec.decisions[self._where] is not Decision.MOVE:
+            return tensor
+        before = self.transfers.stats.out_bytes
+        entry = self.transfers.pack(tensor)
+        if step.spec.recorder:
+            step.spec.recorder.units[self._where].moved_bytes += self.transfers.stats.out_bytes - before
+        return entry
+
+    def close_open_step(self) -> None:
+        """A step whose backward never came (an exception, evaluation with gradients on)."""
+        step, self._open = self._open, None
+        if step is not None and not step.done:
+            step.done = True
+            self.transfers.abort_step()
+            self.director.end(step, completed=False)
+
+    def _backward_reached(self, step: Step, unit: int | None, grad) -> None:
+        if not step.in_backward:
+            step.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, step))
+        step.mark("backward" if unit is not None else "backward start", unit)
+        self.transfers.copy_ahead()
+
+    def _end_backward(self, step: Step) -> None:
+        if step.done:
+            return
+        step.done = True
+        step.mark("backward end")
+        self.transfers.end_step()
+        if self._open is step:
+            self._open = None
+        self.director.end(step, completed=True)
+
+    def _on_backward(self, step: Step, unit: int | None, output) -> None:
+        """Hooks the first tensor of `output` that requires grad: backward has reached it."""
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._backward_reached, step, unit))
+                return
+
+    # -- one unit's forward --
+
+    def _call(self, index: int, forward, *args, **kwargs):
+        step = self._step
+        if step is None:
+            return forward(*args, **kwargs)
+        decision = step.spec.decisions[index]
+        start = step.mark("pre", index)
+        outer, self._where = self._where, index
+        try:
+            if decision in (Decision.KEEP, Decision.MOVE):  # the root's hooks keep or move what it saves
+                out = forward(*args, **kwargs)
+            else:
+                out = self._recomputed(step, index, decision, forward, args, kwargs)
+        except torch.OutOfMemoryError:
+            step.oom = True
+            raise
+        finally:
+            self._where = outer
+        end = step.mark("post", index)
+        if step.spec.recorder:
+            step.spec.recorder.pair("forward", index, start, end)
+        self._on_backward(step, index, out)
+        return out
+
+    def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
+        parked: list[_Parked] = []
+        flat_args = [self._park(a, parked) for a in args]
+        flat_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
+        names = list(flat_kwargs)
+
+        def run(anchor, *values):
+            n = len(flat_args)
+            call_args = [_unpark(v) for v in values[:n]]
+            call_kwargs = {k: _unpark(v) for k, v in zip(names, values[n:])}
+            return forward(*call_args, **call_kwargs)
+
+        context_fn = functools.partial(self._contexts, step, index, decision, parked)
+        early = set_checkpoint_early_stop(False) if step.spec.full_recompute else contextlib.nullcontext()
+        with early:
+            out = checkpoint(run, self._anchor, *flat_args, *flat_kwargs.values(), use_reentrant=False,
+                             context_fn=context_fn, preserve_rng_state=True)
+        if decision.moves_inputs:
+            moved = sum(p.move_out(self.transfers) for p in parked)
+            if step.spec.recorder:
+                step.spec.recorder.units[index].input_bytes += moved
+        elif step.spec.recorder:
+            step.spec.recorder.units[index].input_bytes += sum(
+                p.tensor.numel() * p.tensor.element_size() for p in parked)
+        return out
+
+    def _park(self, value, parked: list[_Parked]):
+        if isinstance(value, torch.Tensor) and value.device == self.device and not isinstance(value, nn.Parameter) \
+                and value.numel() * value.element_size() >= self.min_bytes:
+            slot = _Parked(value)
+            parked.append(slot)
+            return slot
+        return value
+
+    def _contexts(self, step: Step, index: int, decision: Decision, parked: list):
+        forward_ctx: list = []
+        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked)]
+        if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
+            saving, replaying = create_selective_checkpoint_contexts(_selective_policy)
+            forward_ctx.append(lambda: saving)
+            recompute_ctx.append(lambda: replaying)
+        elif step.spec.count_ops and step.spec.recorder:
+            recompute_ctx.append(lambda: _KeptOpTimer(step.spec.recorder, index))
+        return _Enter(*forward_ctx), _Enter(*recompute_ctx)
+
+    @contextlib.contextmanager
+    def _recomputing(self, step: Step, index: int, parked: list):
+        """Around a unit's recomputation: its moved inputs are back first (so the recorder's time
+        is the recomputation's, not the wait for the link), BatchNorm does not count the batch
+        twice (its running statistics are put back), and the recorder sees the time and the bytes rebuilt."""
+        for slot in parked:
+            slot.fetch()
+        # Running statistics as they were: the recomputation updates them again, then they go back.
+        kept = [(b, b.clone()) for m in self._norms[index] for b in m.buffers()]
+        start = step.mark("recompute in", index)
+        try:
+            yield
+        finally:
+            end = step.mark("recompute out", index)
+            for buffer, before in kept:
+                buffer.copy_(before)
+            if step.spec.recorder:
+                step.spec.recorder.pair("recompute", index, start, end)
+
+
+def _unpark(value):
+    return value.value() if isinstance(value, _Parked) else value
+
+
+def _signature(args, kwargs) -> tuple:
+    """The shapes and dtypes of a forward's tensor arguments: a new one gets a new plan."""
+    return tuple((tuple(t.shape), t.dtype) for t in _tensors([args, kwargs]))
