@@ -72,7 +72,9 @@ def _add_memory_savers(p) -> None:
     p.add_argument("--no-rebuild", action="store_true",
                    help="activation offload: move every saved tensor, rebuild nothing in backward "
                         "(what rebuilding saves, by comparison)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing: recompute in backward")
+    p.add_argument("--checkpointing", nargs="?", type=_layers, const=-1, default=None, metavar="N",
+                   help="activation checkpointing (Hugging Face's own, per layer): recompute in backward; with N, "
+                        "only the first N encoder layers (the partial-checkpointing frontier)")
 
 
 def _add_measurements(p) -> None:
@@ -137,11 +139,17 @@ def _offload_tuning(args: argparse.Namespace) -> list[str]:
                                      ("--no-rebuild", args.no_rebuild)) if given]
 
 
+def _layers(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of layers >= 0, got {text!r}")
+    return int(text)
+
+
 def _offload_clash(args: argparse.Namespace, *, with_offload: bool) -> list[str]:
     """The memory savers given that an activation offload does not combine with."""
     return [flag for flag, given in (("--micro-batch", args.micro_batch is not None),
                                      ("--offload", with_offload and args.offload is not None),
-                                     ("--checkpointing", args.checkpointing)) if given]
+                                     ("--checkpointing", args.checkpointing is not None)) if given]
 
 
 def check_offload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -168,6 +176,13 @@ def check_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         policy = load_policy(args.policy)
     except PolicyError as error:
         parser.error(str(error))
+    if policy.scheduler.strategy in ("auto", "checkpoint"):
+        clash = _offload_clash(args, with_offload=True) + _offload_tuning(args)
+        if clash:
+            parser.error(f"policy {policy.name!r} plans activations per block (scheduler.strategy: "
+                         f"{policy.scheduler.strategy}), which does not combine with {', '.join(clash)}; "
+                         "use a policy without it, such as host_optimizer.yaml, or drop the flag")
+        return
     if not policy.scheduler.offload_activations:
         if _offload_tuning(args):
             parser.error(f"{', '.join(_offload_tuning(args))}: policy {policy.name!r} does not offload activations "

@@ -35,7 +35,8 @@ from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
                                   check_policy, memory_limit_bytes, size_bytes)
 
-EXIT_OOM = 3  # exit status when the GPU runs out of memory (bench scripts test for it)
+EXIT_OOM = 3
+RETRIES = 3  # a planned step that runs out of memory is run again this many times, each keeping less  # exit status when the GPU runs out of memory (bench scripts test for it)
 
 
 # --- setup -------------------------------------------------------------------------------------
@@ -165,8 +166,10 @@ def save_on_cpu(step_fn, device: torch.device):
     return step
 
 
-def train_loop(args, step_fn, source, first_step: int, on_step_done) -> tuple[list[float], list[float]]:
-    """Runs steps first_step..args.steps-1 with a progress bar; returns (losses, step seconds)."""
+def train_loop(args, step_fn, source, first_step: int, on_step_done, retry=None) -> tuple[list[float], list[float]]:
+    """Runs steps first_step..args.steps-1 with a progress bar; returns (losses, step seconds).
+    With `retry` (a planner is attached), a step that runs out of memory is run again, after
+    retry() has thrown away its partial gradients; the planner keeps less from then on."""
     from tqdm import tqdm
 
     losses, seconds = [], []
@@ -174,7 +177,14 @@ def train_loop(args, step_fn, source, first_step: int, on_step_done) -> tuple[li
     for step in bar:
         batch = source.batch(step)
         start = time.perf_counter()
-        loss = step_fn(batch)  # returns a Python float: the GPU has finished the step
+        for attempt in range(RETRIES + 1):
+            try:
+                loss = step_fn(batch)  # returns a Python float: the GPU has finished the step
+                break
+            except torch.OutOfMemoryError:
+                if retry is None or attempt == RETRIES:
+                    raise
+                retry()
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
         bar.set_postfix(step_s=f"{seconds[-1]:.3f}", samples_s=f"{args.batch_size / seconds[-1]:.1f}",
@@ -229,6 +239,12 @@ def print_summary(summary: dict, allocator: str) -> None:
           f"{summary['samples_per_s']:.1f} samples/s")
     print(f"  loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
     print(f"  peak memory {gib(summary['peak_bytes'])} live, {gib(summary['peak_reserved_bytes'])} reserved")
+    if summary.get("plan_table"):
+        planned = summary["planner"].get("plan", {})
+        measured = summary["planner"].get("measured_step_s")
+        print(f"  block planner: predicted step {1e3 * planned.get('predicted_step_s', 0):.1f} ms"
+              + (f", measured {1e3 * measured:.1f} ms" if measured else ""))
+        print("  " + summary["plan_table"].replace("\n", "\n  "))
     offload = summary.get("activation_offload")
     if offload:
         print(f"  activation offload (last step): saved {gib(offload['saved_bytes'])}, kept "
@@ -259,12 +275,12 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
 
 
 def build_training(args, vocab_size: int, device: torch.device):
-    """The model and fused AdamW, tagged for um_alloc when it is the allocator."""
+    """The model, fused AdamW, and the block planner when the policy asks for one; tagged for
+    um_alloc when it is the allocator."""
     with _tag_context(args, "parameter"):
         model = build_model(args, vocab_size, device)
-    if args.checkpointing:  # per layer; transformers 5 renamed gradient_checkpointing_enable
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable({"use_reentrant": False})
+    if args.checkpointing is not None:
+        checkpoint_layers(model, args.checkpointing)
     # Fused: one kernel reads and writes each moment once per step (foreach reads them up to three
     # times), which matters when a policy keeps optimizer state in host memory.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
@@ -275,7 +291,36 @@ def build_training(args, vocab_size: int, device: torch.device):
         um_alloc.tag_training(model, optimizer)
         if um_alloc.installation().policy.scheduler.spill_min_size:  # large_batch.yaml, say
             um_alloc.spill_from(model.cls)  # the MLM head and the loss: logits grow with the vocabulary
-    return model, optimizer
+        return model, optimizer, attach_planner(model)
+    return model, optimizer, None
+
+
+def checkpoint_layers(model, first: int) -> None:
+    """Hugging Face's own per-layer checkpointing, on every encoder layer (first < 0) or the first
+    `first`: the peers a budget planner is compared with."""
+    # transformers 5 renamed gradient_checkpointing_enable
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+    if first >= 0:
+        for layer in model.bert.encoder.layer[first:]:
+            layer.gradient_checkpointing = False
+
+
+def checkpointing_text(layers: int | None):
+    """--checkpointing as the summary gives it: false, "all", or the number of first layers."""
+    return False if layers is None else ("all" if layers < 0 else layers)
+
+
+def attach_planner(model):
+    """The block planner, when the policy asks for it (scheduler.strategy auto or checkpoint) and
+    there is a budget; None otherwise. It attaches to the model: the step runs as it is."""
+    import um_alloc
+
+    chosen = um_alloc.installation()
+    strategy = chosen.policy.scheduler.strategy
+    if strategy not in ("auto", "checkpoint") or not chosen.budget:
+        return None
+    return um_alloc.plan(model, strategy=strategy)
 
 
 def build_step(args, model, optimizer, device: torch.device, limit: int | None, window: int | None):
@@ -316,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
     used_before = _device_used(device)
-    model, optimizer = build_training(args, source.vocab_size, device)
+    model, optimizer, planner = build_training(args, source.vocab_size, device)
     first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
     del checkpoint
 
@@ -328,9 +373,13 @@ def main(argv: list[str] | None = None) -> dict:
     rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
     step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
     step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
-    losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done)
+    retry = (lambda: optimizer.zero_grad(set_to_none=True)) if planner else None
+    losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry)
     summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
-    summary.update(offload=args.offload, checkpointing=args.checkpointing, **profiler.finish(args.warmup_steps))
+    summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing), **profiler.finish(args.warmup_steps))
+    if planner is not None:
+        summary["planner"] = planner.to_dict()
+        summary["plan_table"] = planner.table()
     if offload is not None:
         summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
                                          **dataclasses.asdict(offload.stats)}

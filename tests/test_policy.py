@@ -346,10 +346,31 @@ def test_with_budget_overrides_and_checks_like_the_key():
 
 
 def test_offload_activations_needs_a_hard_budget():
-    with pytest.raises(PolicyError, match=r"scheduler.offload_activations: needs a hard budget.*"
-                                          r"Drop `evict_live: true` from scheduler"):
+    with pytest.raises(PolicyError, match=r"scheduler.strategy: needs a hard budget.*"
+                                          r"got 'offload'.*Drop `evict_live: true` from scheduler"):
         policy_from_dict({"scheduler": {"offload_activations": True, "evict_live": True}},
                          source="p.yaml", name="p")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "checkpoint", "offload"])
+def test_every_strategy_needs_a_hard_budget(strategy):
+    with pytest.raises(PolicyError, match=rf"scheduler.strategy: needs a hard budget.*got '{strategy}'"):
+        policy_from_dict({"scheduler": {"strategy": strategy, "evict_live": True}}, source="p.yaml", name="p")
+
+
+def test_strategy_is_checked_and_offload_activations_is_its_offload():
+    def scheduler(**keys):
+        return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler
+
+    assert scheduler().strategy == "none"
+    assert scheduler(offload_activations=True).strategy == "offload"
+    assert scheduler(strategy="offload").offload_activations is True
+    assert (scheduler(strategy="auto").strategy, scheduler(strategy="auto").offload_activations) == ("auto", False)
+    with pytest.raises(PolicyError, match=r"scheduler.strategy: invalid value \(got 'fastest'; allowed: none, "
+                                          r"offload, auto, checkpoint\)"):
+        scheduler(strategy="fastest")
+    with pytest.raises(PolicyError, match=r"scheduler.offload_activations: contradicts strategy: auto"):
+        scheduler(strategy="auto", offload_activations=True)
     for hard in ({}, {"evict_live": False}):  # hard by default, or said so
         policy = policy_from_dict({"scheduler": {"offload_activations": True, **hard}},
                                   source="p.yaml", name="p")

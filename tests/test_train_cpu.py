@@ -166,7 +166,7 @@ def test_a_bad_policy_is_refused_before_cuda_work(tmp_path, capsys):
     parser = train.build_parser()
     with pytest.raises(SystemExit):
         train.check_policy(parser, parser.parse_args(["--policy", str(bad)]))
-    assert "scheduler.offload_activations: needs a hard budget" in capsys.readouterr().err
+    assert "scheduler.strategy: needs a hard budget" in capsys.readouterr().err
 
 
 def test_deterministic_flag_turns_on_deterministic_algorithms():

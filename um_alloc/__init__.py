@@ -6,6 +6,7 @@
         model = MyModel().cuda()
     opt = torch.optim.AdamW(model.parameters())
     um_alloc.tag_training(model, opt)      # gradients and optimizer state, as they appear
+    um_alloc.plan(model)                   # under a budget: keep, recompute or move each block
     ...
     print(um_alloc.memory_summary())
 """
@@ -13,6 +14,7 @@ from . import lms
 from .errors import PolicyError
 from .install import Installation, install, installation, is_installed
 from .lms import get_enabled_lms, get_limit_lms, get_size_lms, set_enabled_lms, set_limit_lms, set_size_lms
+from .planner import BlockPlanner, PlanInfeasible, plan
 from .policy import Policy, TagAdvice, load_policy
 from .pool import BlockInfo, ChunkPool
 from .sizes import format_size, parse_size
@@ -24,7 +26,7 @@ from .tags import retag, tag, tag_module, tag_optimizer, tag_training
 __all__ = [
     "install", "installation", "is_installed", "Installation",
     "tag", "retag", "tag_module", "tag_optimizer", "tag_training", "TAGS", "DEFAULT_TAG",
-    "spill_from", "SpillFrom",
+    "spill_from", "SpillFrom", "plan", "BlockPlanner", "PlanInfeasible",
     "memory_stats", "memory_summary", "block_at", "ranges_for_tag",
     "load_policy", "Policy", "PolicyError", "TagAdvice", "parse_size", "format_size",
     "ChunkPool", "BlockInfo",

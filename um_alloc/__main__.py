@@ -38,7 +38,8 @@ def _budget_mode(scheduler) -> str:
     hard unless the policy asks for evict_live: true."""
     if scheduler.evict_live:
         return "reactive"
-    return "hard, offload activations" if scheduler.offload_activations else "hard"
+    return {"offload": "hard, offload activations", "auto": "hard, block planner",
+            "checkpoint": "hard, every block recomputed"}.get(scheduler.strategy, "hard")
 
 
 def _advice_text(advice: TagAdvice) -> str:

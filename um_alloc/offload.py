@@ -188,6 +188,39 @@ class ActivationOffload:
             raise
         self._finish_step()
 
+    # -- the same, step by step, for callers that cannot wrap forward and backward in one block
+    #    (um_alloc.planner drives it from module hooks; budget=None there: everything it is given moves)
+
+    def begin_step(self) -> None:
+        """A step begins: what step() does on entry, without the hooks."""
+        self._reset_step()
+
+    def pack(self, tensor: torch.Tensor):
+        """autograd's pack hook: the tensor, or what stands for it until unpack."""
+        return self._pack(tensor)
+
+    def unpack(self, packed) -> torch.Tensor:
+        """autograd's unpack hook (also for what stash() returned: waits for the copy back)."""
+        return self._unpack(packed)
+
+    def stash(self, tensor: torch.Tensor):
+        """Copies a tensor out now, whatever its size, to be unpack()ed in backward."""
+        return self._copy_out(tensor)
+
+    def copy_ahead(self) -> None:
+        """Backward has reached another part of the model: copy back as far as the window allows."""
+        if not self._in_backward:
+            self._start_backward()
+        self._copy_ahead()
+
+    def end_step(self) -> None:
+        """Backward is over: what step() does on a normal exit."""
+        self._finish_step()
+
+    def abort_step(self) -> None:
+        """The step failed (or never reached backward): let go of its tensors; nothing is counted."""
+        self._let_go()
+
     def _reset_step(self) -> None:
         if self._steps:
             self._plan_if_calibrated()
@@ -205,7 +238,7 @@ class ActivationOffload:
         self._steps += 1
         if self._first_sizes is None:
             self._first_sizes = self._sizes
-        elif not self._matches or len(self._sizes) != len(self._first_sizes):
+        elif self.budget is not None and (not self._matches or len(self._sizes) != len(self._first_sizes)):
             log.info("activation offload: saved tensors differ from the first step's; offloading all")
         self._let_go()
 

@@ -32,6 +32,10 @@ __all__ = ["KiB", "MiB", "GiB", "TiB", "PolicyError", "TagAdvice", "PoolSettings
            "resolve_policy_path", "load_policy", "policy_from_dict", "validate_for_device"]
 
 LOCATIONS = ("gpu", "cpu", "none")
+# none: as autograd keeps them; offload: what does not fit moves to host memory (um_alloc.offload);
+# auto: the block planner keeps, recomputes or moves each block (um_alloc.planner); checkpoint:
+# the planner recomputing every block (an ablation).
+STRATEGIES = ("none", "offload", "auto", "checkpoint")
 ACCESSORS = ("gpu", "cpu")          # also the canonical order of TagAdvice.accessed_by
 CHUNK_MIN, CHUNK_MAX = 64 * KiB, 1 * GiB
 ENV_VAR = "UM_POLICY"
@@ -67,7 +71,10 @@ class SchedulerSettings:
                                               # faulted back (reactive, which does not keep the
                                               # budget at scale; the page-fault baseline)
     offload_activations: bool = False         # saved tensors beyond the budget go to pinned host
-                                              # memory (um_alloc.offload); needs a hard budget
+                                              # memory (um_alloc.offload); needs a hard budget;
+                                              # the same as strategy: offload
+    strategy: str = "none"                    # under a budget, how activations survive until
+                                              # backward: one of STRATEGIES (below)
     spill_min_size: int | None = None         # bytes; allocations this large in a spill_from
                                               # region get the spill tag (um_alloc.spill); None = off
 
@@ -190,6 +197,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
+        "strategy": _choice(STRATEGIES),
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,
@@ -214,14 +222,9 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
     if pool.max_reserved is not None and pool.max_reserved < pool.chunk_size:
         raise at.child("pool.max_reserved").error(
             f"must hold at least one chunk ({pool.chunk_size} bytes)", received=pool.max_reserved)
-    scheduler = _section(SchedulerSettings, top.get("scheduler"), at.child("scheduler"))
+    scheduler = _strategy(_section(SchedulerSettings, top.get("scheduler"), at.child("scheduler")),
+                          at.child("scheduler"))
     _check_budget_holds_a_chunk(scheduler.budget, pool.chunk_size, at.child("scheduler.budget"))
-    if scheduler.offload_activations and scheduler.evict_live:
-        raise at.child("scheduler.offload_activations").error(
-            "needs a hard budget: with evict_live: true the pool would also evict the tensors the "
-            "offload keeps on the GPU, and the driver keeps the GPU memory of evicted pages anyway",
-            allowed="true together with evict_live: false, or false", received=True,
-            hint="Drop `evict_live: true` from scheduler: the budget is then hard.")
     tags = _tags(top.get("tags"), at.child("tags"))
     if scheduler.spill_min_size is not None and not host_mapped(tags.get("spill", TagAdvice())):
         raise at.child("scheduler.spill_min_size").error(
@@ -229,6 +232,24 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
             "allocations would stay on the GPU", received=scheduler.spill_min_size,
             hint="Add under tags: `spill: {preferred_location: cpu, accessed_by: [gpu]}`, or drop spill_min_size.")
     return Policy(name=name, source=source, pool=pool, scheduler=scheduler, tags=tags)
+
+
+def _strategy(scheduler: SchedulerSettings, at: At) -> SchedulerSettings:
+    """offload_activations: true is strategy: offload; both keys end up saying the same thing.
+    Every strategy but none needs a hard budget."""
+    if scheduler.offload_activations and scheduler.strategy not in ("none", "offload"):
+        raise at.child("offload_activations").error(
+            f"contradicts strategy: {scheduler.strategy} (offload_activations: true means strategy: offload)",
+            allowed="one of the two keys", received=True, hint="Drop offload_activations.")
+    if scheduler.offload_activations or scheduler.strategy == "offload":
+        scheduler = replace(scheduler, offload_activations=True, strategy="offload")
+    if scheduler.strategy != "none" and scheduler.evict_live:
+        raise at.child("strategy").error(
+            "needs a hard budget: with evict_live: true the pool would also evict the activations the "
+            "strategy keeps on the GPU, and the driver keeps the GPU memory of evicted pages anyway",
+            allowed="none with evict_live: true", received=scheduler.strategy,
+            hint="Drop `evict_live: true` from scheduler: the budget is then hard.")
+    return scheduler
 
 
 def _mapping(value: Any, at: At, *, what: str) -> Mapping:
