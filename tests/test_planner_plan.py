@@ -93,3 +93,16 @@ def test_a_forced_plan_is_evaluated_as_given():
     assert plan.predicted_step_s == pytest.approx(cal.base_step_s() + 8 * 2e-3)
     assert "recompute" in plan.table() and plan.to_dict()["decisions"] == {"keep": 2, "recompute": 8}
 
+
+def test_a_large_unit_held_only_late_leaves_the_earlier_units_their_room():
+    """What the loss keeps is held from the forward's end only: it must not take room from blocks
+    in segments that do not hold it (the plan fills the budget up to the binding segment)."""
+    cal = transformer(blocks=8)
+    units = cal.units + (UnitCost("(outside the units)", "gap", 0.0, saved_bytes=3 * GiB, hide_s=0.0),)
+    rest = len(units) - 1
+    segments = tuple(s if s.label != "loss" else Segment("loss", 5 * GiB, tuple(range(rest + 1)))
+                     for s in cal.segments) + (Segment("backward start", 8 * GiB, tuple(range(rest))),)
+    cal = Calibration(units, segments, cal.step_s, cal.link_bytes_per_s)
+    plan = make_plan(cal, 14 * GiB)
+    assert plan.decisions[rest] is Decision.KEEP  # moving 3 GiB with no compute around it would wait
+    assert plan.limit_bytes - plan.predicted_peak_bytes < 800 * MiB  # less than one more kept block

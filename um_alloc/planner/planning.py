@@ -92,7 +92,8 @@ class UnitCost:
         what the link takes beyond the compute around the unit (hide_s, scaled to the planned step's
         pace), out and back; a move the link hides costs a microsecond a gigabyte (the copies through
         the stage), which also breaks a tie between keeping and moving in favour of keeping."""
-        moving = self.moved(decision) * 1e-15
+        moved = self.moved(decision)
+        moving = moved * 1e-15 + 2 * max(moved / rate - hide_scale * self.hide_s, 0.0)
         rerun = min(self.forward_s, self.recompute_s)
         if decision in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED):
             return rerun + moving
@@ -127,7 +128,8 @@ class Calibration:
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
         backward (recompute_s). Kept, it runs once, as fast as the faster of the two."""
         blocks = [u for u in self.units if u.kind == "block"]
-        return max(self.step_s - sum(max(u.forward_s, u.recompute_s) for u in blocks), 0.0)
+        waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s) - u.cost_s(SAFE[u.kind]) for u in self.units)
+        return max(self.step_s - sum(max(u.forward_s, u.recompute_s) for u in blocks) - waited, 0.0)
 
     def hide_scale(self) -> float:
         """How much shorter a kept forward is than the safe step's: compute the copies of a plan
@@ -216,7 +218,7 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
     options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale()) for u in cal.units]
     link_room = _link_room(cal, hide_fraction)
     lowest = min((s.peak_bytes for s in cal.segments), default=0)  # where a prefix has the most room
-    grid = _Grid(limit - floor, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
+    grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
     choice = _cheapest(cal, options, limit, grid)
     decisions = tuple(options[j][i][0] for j, i in enumerate(choice))
     return _evaluate(cal, decisions, budget_bytes, limit, link_room)

@@ -162,8 +162,9 @@ class StepRecorder:
         rest = self.units[-1]
         if "forward end" in labels and not rest.posts:
             rest.posts.append(labels.index("forward end"))
-            if "backward" in labels:
-                rest.backwards.append(labels.index("backward"))
+            begun = [k for k, label in enumerate(labels) if label in ("backward start", "backward")]
+            if begun:
+                rest.backwards.append(begun[0])
 
     def _segments(self) -> tuple[Segment, ...]:
         spans = []
