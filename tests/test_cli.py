@@ -59,7 +59,7 @@ def test_check_reports_every_bad_file_and_exits_1(tmp_path):
     assert f"FAIL  {bad}: tags.parameter.preferred_location: invalid value" in err
     assert "got 'gpuu'; allowed: gpu, cpu, none" in err
     assert f"FAIL  {broken}: line 2, column 1: YAML syntax error" in err
-    assert "absent.yaml: policy file not found; packaged policies: best, host_optimizer, large_batch, none, worst" in err
+    assert "absent.yaml: policy file not found; packaged policies: best, host_optimizer, large_batch, none, planner, worst" in err
     assert "3 of 4 policies failed" in err
 
 

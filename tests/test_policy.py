@@ -34,7 +34,7 @@ def error_of(tmp_path, text, name="p.yaml"):
 # ---------------------------------------------------------------- shipped policies
 def test_packaged_dir_holds_the_shipped_policies():
     assert sorted(p.name for p in packaged_policies_dir().glob("*.yaml")) == [
-        "best.yaml", "host_optimizer.yaml", "large_batch.yaml", "none.yaml", "worst.yaml"]
+        "best.yaml", "host_optimizer.yaml", "large_batch.yaml", "none.yaml", "planner.yaml", "worst.yaml"]
 
 
 def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
@@ -217,12 +217,12 @@ def test_missing_file_lists_packaged_names(tmp_path):
         load_policy(tmp_path / "absent.yaml")
     message = str(info.value)
     assert "absent.yaml: policy file not found" in message
-    assert "packaged policies: best, host_optimizer, large_batch, none, worst" in message
+    assert "packaged policies: best, host_optimizer, large_batch, none, planner, worst" in message
 
 
 def test_unknown_bare_name():
     with pytest.raises(PolicyError, match="bestest: policy file not found; packaged policies: "
-                                          "best, host_optimizer, large_batch, none, worst"):
+                                          "best, host_optimizer, large_batch, none, planner, worst"):
         resolve_policy_path("bestest")
 
 
@@ -375,3 +375,10 @@ def test_strategy_is_checked_and_offload_activations_is_its_offload():
         policy = policy_from_dict({"scheduler": {"offload_activations": True, **hard}},
                                   source="p.yaml", name="p")
         assert policy.scheduler.offload_activations and not policy.scheduler.evict_live
+
+
+def test_planner_is_best_with_the_block_planner():
+    best, planner = load_policy("best.yaml"), load_policy("planner.yaml")
+    assert planner.tags == best.tags and planner.pool == best.pool
+    assert (planner.scheduler.strategy, best.scheduler.strategy) == ("auto", "offload")
+    assert planner.scheduler.offload_activations is False
