@@ -3,9 +3,10 @@
 Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``detach``):
 
 - keep: it runs as it is.
-- move: it runs under the transfer engine's saved-tensor hooks (um_alloc.offload's copies through
-  stages on side streams): what autograd saves goes to pinned host memory and comes back ahead of
-  backward, started when the gradient reaches each unit.
+- move: what autograd saves while it runs goes to pinned host memory (the root's saved-tensor
+  hooks hand it to um_alloc.offload's transfer engine: copies through stages on side streams) and
+  comes back ahead of backward, started as the gradient reaches each unit. The same hooks keep or
+  move what the model saves outside every unit (its loss), as the plan's last decision says.
 - recompute / selective: it runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state kept, so
   dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint policy, which keeps
   the outputs of matmuls, convolutions and attention and recomputes the rest. BatchNorm's running
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -92,7 +93,6 @@ class Step:
     in_backward: bool = False
     done: bool = False
     oom: bool = False
-    open_pairs: dict = field(default_factory=dict)
 
     def mark(self, label: str, unit: int | None = None) -> int | None:
         return self.spec.recorder.mark(label, unit) if self.spec.recorder else None
