@@ -90,6 +90,7 @@ class StepSpec:
 class Step:
     spec: StepSpec
     transfers: ActivationOffload
+    moves: bool = False            # something goes to host memory: the hooks that copy are needed
     in_backward: bool = False
     done: bool = False
     oom: bool = False
@@ -207,11 +208,13 @@ class Runtime:
         if spec is None:
             self._step = None
             return
-        self._step = self._open = Step(spec, self.transfers)
+        moves = any(d is Decision.MOVE or d.moves_inputs for d in spec.decisions)
+        self._step = self._open = Step(spec, self.transfers, moves)
         self.transfers.begin_step()
         self._where = self.rest
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.transfers.unpack)
-        self._hooks.__enter__()
+        if Decision.MOVE in spec.decisions:  # a Python call per saved tensor: only when something moves
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.transfers.unpack)
+            self._hooks.__enter__()
         self._step.mark("forward start")
 
     def _end_forward(self, module, args, output) -> None:
@@ -290,7 +293,8 @@ class Runtime:
         end = step.mark("post", index)
         if step.spec.recorder:
             step.spec.recorder.pair("forward", index, start, end)
-        self._on_backward(step, index, out)
+        if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
+            self._on_backward(step, index, out)
         return out
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
