@@ -21,6 +21,13 @@ def test_planned_training_gives_plain_trainings_losses(cuda_device):
     result = _check("equal")
     assert result["planned"] == result["plain"]  # dropout 0.1: masks replayed exactly in recomputes
     assert sum(result["plan"].values()) == 6 + 3  # six layers, embeddings, head, the rest
+    assert result["lean_loss_calls"] > 0          # the model's loss went through the chunked cross-entropy
+
+
+def test_chunked_cross_entropy_is_pytorchs_bit_for_bit(cuda_device):
+    result = _check("lean")
+    for case, seen in result.items():
+        assert seen["loss_equal"] and seen["grad_equal"], (case, seen)
 
 
 def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):

@@ -2,6 +2,7 @@
 
     python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
+    python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -43,13 +44,15 @@ def equal() -> dict:
     plain, plain_opt = bert()
     planned, planned_opt = bert()
     planner = um_alloc.plan(planned, budget="2GiB")
+    planner._runtime.lean_loss.min_bytes = 0  # the loss is small here: chunk it anyway, to compare
     data = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
     for i in range(6):
         ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
         losses["plain"].append(step(plain, plain_opt, ids, i))
         losses["planned"].append(step(planned, planned_opt, ids, i))
-    return {**losses, "plan": planner.plan.counts(), "moved": planner.plan.moved_bytes}
+    return {**losses, "plan": planner.plan.counts(), "moved": planner.plan.moved_bytes,
+            "lean_loss_calls": planner.to_dict()["lean_loss_calls"]}
 
 
 def oom() -> dict:
@@ -78,7 +81,29 @@ def oom() -> dict:
     return {"losses": losses, "retried": retried, "margin_before": margin, "margin_after": planner.margin}
 
 
+def lean() -> dict:
+    import torch.nn.functional as F
+
+    from um_alloc.planner.lean_loss import chunked_cross_entropy
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for reduction in ("mean", "sum"):
+            torch.manual_seed(0)
+            logits = (4 * torch.randn(4096, 30522, device="cuda")).to(dtype).requires_grad_()
+            target = torch.randint(0, 30522, (4096,), device="cuda")
+            target[::5] = -100
+            plain = F.cross_entropy(logits, target, reduction=reduction)
+            plain_grad, = torch.autograd.grad(plain, logits)
+            chunked = chunked_cross_entropy(logits, target, reduction=reduction, chunk_bytes=32 * MiB)
+            chunked_grad, = torch.autograd.grad(chunked, logits)
+            out[f"{dtype}_{reduction}"] = {"loss_equal": torch.equal(plain, chunked),
+                                           "grad_equal": torch.equal(plain_grad, chunked_grad),
+                                           "grad_max_diff": (plain_grad.float() - chunked_grad.float()).abs().max().item()}
+    return out
+
+
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
     um_alloc.install("best.yaml", budget="4GiB")
-    print(json.dumps({"equal": equal, "oom": oom}[sys.argv[1]]()))
+    print(json.dumps({"equal": equal, "oom": oom, "lean": lean}[sys.argv[1]]()))

@@ -34,7 +34,7 @@ from ..install import installation, is_installed
 from ..offload import STAGE_BYTES
 from ..sizes import format_size, size_arg
 from .blocks import Unit, find_units
-from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, evaluate, make_plan
+from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict, evaluate, make_plan
 from .record import MemoryProbe, StepRecorder, link_rate
 from .replay import Runtime, Step, StepSpec
 
@@ -77,6 +77,9 @@ class BlockPlanner:
             checkpointing: keep matmul and attention outputs, recompute the rest) save GPU time but
             run every op through a Python dispatch mode, twice, which costs more CPU time than
             many hosts can hide; ask for them where the GPU, not the CPU, sets the pace.
+        lean_loss: compute a cross-entropy of at least 512 MiB of logits inside the model's forward
+            (a Hugging Face model's loss) in row chunks, bit for bit PyTorch's result with 2 GB less
+            at BERT-Large's peaks (um_alloc.planner.lean_loss); default True.
 
     Raises:
         ValueError: a bad argument, no budget, or no blocks in the model (before any GPU work).
@@ -85,7 +88,7 @@ class BlockPlanner:
     def __init__(self, model: nn.Module, budget: int | str | None = None, *, strategy: str = "auto",
                  block_classes: list[str] | None = None, margin: int | str = "512MiB",
                  window: int | str = "512MiB", hide_fraction: float = 0.7,
-                 decisions: list[str] | None = None):
+                 decisions: list[str] | None = None, lean_loss: bool = True):
         if strategy not in STRATEGIES:
             raise ValueError(f"BlockPlanner: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if not 0 < hide_fraction <= 1:
@@ -109,7 +112,7 @@ class BlockPlanner:
         self._ooms = self._probe.out_of_memory_count()
         _no_cache(model)
         self._runtime = Runtime(model, self.units, self.device, self,
-                                window=size_arg(window, "window", "BlockPlanner"))
+                                window=size_arg(window, "window", "BlockPlanner"), lean_loss=lean_loss)
         self._runtime.attach()
 
     # -- the director: what each step does --
@@ -209,9 +212,23 @@ class BlockPlanner:
     def to_dict(self) -> dict:
         out = {"strategy": self.strategy, "budget_bytes": self.budget, "margin_bytes": self.margin,
                "units": len(self.units), "blocks": sum(u.kind == "block" for u in self.units)}
+        if self._runtime.lean_loss is not None:
+            out["lean_loss_calls"] = self._runtime.lean_loss.calls
         if self.plan:
             out.update(plan=self.plan.to_dict(), measured_step_s=self.measured_step_s())
+        calibration = self.calibration
+        if calibration is not None:
+            out["calibration"] = calibration_to_dict(calibration)
         return out
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """What the plan of the input shape seen last was made from: plan it again at another budget
+        with ``make_plan(planner.calibration, budget)``."""
+        for shape in self._shapes.values():
+            if shape.plan is not None and shape.plan is self._current:
+                return shape.calibration
+        return None
 
     def remove(self) -> None:
         """Detaches from the model: its units run as they did before."""

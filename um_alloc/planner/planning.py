@@ -69,6 +69,8 @@ class UnitCost:
     selective_bytes: int = 0     # what a selective recompute keeps: matmul/conv/attention outputs
     input_bytes: int = 0         # its inputs, which a recompute keeps or moves
     hide_s: float = 0.0          # compute that can hide its copies: min(forward after it, backward before it)
+    forward_cpu_s: float = 0.0   # the host's time for its forward (the GPU's may be less: it waits for work)
+    recompute_cpu_s: float = 0.0  # the host's time for its recomputation
 
     def retained(self, decision: Decision) -> int:
         """Bytes this unit holds on the GPU from its forward to its backward."""
@@ -111,6 +113,8 @@ class Segment:
     label: str
     peak_bytes: int              # GPU-live peak within it
     held: tuple[int, ...] = ()   # indices of the units whose activations were held across it
+    seconds: float = 0.0         # on the GPU's clock
+    cpu_seconds: float = 0.0     # on the host's
 
 
 @dataclass(frozen=True)
@@ -358,6 +362,5 @@ def calibration_to_dict(cal: Calibration) -> dict:
 
 def calibration_from_dict(data: dict) -> Calibration:
     return Calibration(units=tuple(UnitCost(**u) for u in data["units"]),
-                       segments=tuple(Segment(s["label"], s["peak_bytes"], tuple(s["held"]))
-                                      for s in data["segments"]),
+                       segments=tuple(Segment(**{**s, "held": tuple(s["held"])}) for s in data["segments"]),
                        **{k: v for k, v in data.items() if k not in ("units", "segments")})

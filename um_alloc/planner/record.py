@@ -63,7 +63,8 @@ class MemoryProbe:
 class _Mark:
     label: str
     unit: int | None
-    clock: object             # torch.cuda.Event or a perf_counter float
+    clock: object             # torch.cuda.Event (the GPU's time) or a perf_counter float
+    cpu: float                # perf_counter: the host's time, which leads the GPU's while it queues work
     live: int
     peak: int                 # since the previous mark
 
@@ -74,6 +75,8 @@ class _UnitSeen:
     backwards: list[int] = field(default_factory=list)
     forward_s: float = 0.0
     recompute_s: float = 0.0
+    forward_cpu_s: float = 0.0
+    recompute_cpu_s: float = 0.0
     rebuilt_bytes: int = 0    # live bytes a recompute added: what the unit saves when kept
     moved_bytes: int = 0      # saved bytes it sent to host memory in forward (a moved unit)
     input_bytes: int = 0
@@ -94,7 +97,7 @@ class StepRecorder:
 
     def mark(self, label: str, unit: int | None = None) -> int:
         live, peak = self.probe.look()
-        self.marks.append(_Mark(label, unit, self._clock(), live, peak))
+        self.marks.append(_Mark(label, unit, self._clock(), time.perf_counter(), live, peak))
         index = len(self.marks) - 1
         if unit is not None and label == "post":
             self.units[unit].posts.append(index)
@@ -138,17 +141,20 @@ class StepRecorder:
         self._place_rest()
         for kind, unit, start, end in self._pairs:
             seconds = self._seconds(self.marks[start].clock, self.marks[end].clock)
+            cpu = self.marks[end].cpu - self.marks[start].cpu
             seen = self.units[unit]
             if kind == "forward":
                 seen.forward_s += seconds
+                seen.forward_cpu_s += cpu
             else:
                 seen.recompute_s += seconds
+                seen.recompute_cpu_s += cpu
         for unit, start, end in self._ops:
             self.units[unit].matmul_s += self._seconds(start, end)
         hide = self._hide_times()
         units = tuple(UnitCost(name, kind, s.forward_s, s.recompute_s, s.matmul_s,
                                s.rebuilt_bytes if kind == "block" else s.moved_bytes,
-                               s.selective_bytes, s.input_bytes, hide[j])
+                               s.selective_bytes, s.input_bytes, hide[j], s.forward_cpu_s, s.recompute_cpu_s)
                       for j, ((name, kind), s) in enumerate(zip(names, self.units)))
         live_peak = max((m.peak for m in self.marks), default=0)
         return Calibration(units, self._segments(), self._seconds(self.marks[0].clock, next_start),
@@ -175,7 +181,8 @@ class StepRecorder:
         for k in range(1, len(self.marks)):
             held = tuple(j for j, first, last in spans if first <= k - 1 and last >= k)
             label = f"{self._name(k - 1)} -> {self._name(k)}"
-            out.append(Segment(label, self.marks[k].peak, held))
+            before, after = self.marks[k - 1], self.marks[k]
+            out.append(Segment(label, after.peak, held, self._seconds(before.clock, after.clock), after.cpu - before.cpu))
         return tuple(out)
 
     def _name(self, k: int) -> str:

@@ -14,6 +14,10 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
 - ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
   after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
 
+Between units and after the last one, while the root's forward runs, a large cross-entropy is
+computed in row chunks (lean_loss.LeanLoss: the same result, half the loss's memory): that is
+where a model computes its loss.
+
 A step begins at the root module's forward with gradients enabled and ends when autograd's
 backward has finished (a callback queued from the first gradient hook); a step whose backward never
 came is closed at the next forward. The director (the planner) gives each step its decisions and
@@ -35,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..offload import ActivationOffload
 from ..tensor_trees import tensors as _tensors
 from .blocks import Unit
+from .lean_loss import LeanLoss
 from .planning import Decision
 from .record import StepRecorder
 
@@ -163,7 +168,7 @@ class Runtime:
     """Wraps the units' forwards and the root's hooks; asks the director what each step does."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device, director: Director,
-                 window: int, min_bytes: int = MiB):
+                 window: int, min_bytes: int = MiB, lean_loss: bool = True):
         self.model, self.units, self.device, self.director = model, units, device, director
         self.rest = len(units)                # the decision index of what is saved outside every unit
         self.min_bytes = min_bytes
@@ -179,6 +184,8 @@ class Runtime:
         self._where: int = self.rest          # the unit whose forward is running
         self._hooks = None                   # the root's saved-tensor hooks, while its forward runs
         self._handles: list = []
+        self.lean_loss = LeanLoss() if lean_loss else None
+        self._lean_entered = False           # between units, in a step's forward
 
     # -- attaching --
 
@@ -195,6 +202,7 @@ class Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._lean(False)
         self.close_open_step()
 
     # -- steps --
@@ -219,6 +227,7 @@ class Runtime:
 
     def _end_forward(self, module, args, output) -> None:
         step, self._step = self._step, None
+        self._lean(False)
         if self._hooks is not None:  # also when forward raised (always_call)
             self._hooks.__exit__(None, None, None)
             self._hooks = None
@@ -278,6 +287,7 @@ class Runtime:
         if step is None:
             return forward(*args, **kwargs)
         decision = step.spec.decisions[index]
+        self._lean(False)
         start = step.mark("pre", index)
         outer, self._where = self._where, index
         try:
@@ -291,11 +301,22 @@ class Runtime:
         finally:
             self._where = outer
         end = step.mark("post", index)
+        self._lean(outer == self.rest)
         if step.spec.recorder:
             step.spec.recorder.pair("forward", index, start, end)
         if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
             self._on_backward(step, index, out)
         return out
+
+    def _lean(self, on: bool) -> None:
+        """The chunked cross-entropy, on between units (the loss comes after the last one)."""
+        if self.lean_loss is None or on == self._lean_entered:
+            return
+        if on:
+            self.lean_loss.__enter__()
+        else:
+            self.lean_loss.__exit__(None, None, None)
+        self._lean_entered = on
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
         parked: list[_Parked] = []
