@@ -122,7 +122,8 @@ def _record(name: str, summary, extra: dict, run_id: str, base, budget: int, arg
     if summary and summary.get("planner"):
         plan = summary["planner"].get("plan", {})
         record.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"),
-                      planner_measured_step_s=summary["planner"].get("measured_step_s"))
+                      planner_measured_step_s=summary["planner"].get("measured_step_s"),
+                      calibration=summary["planner"].get("calibration"))
     return record
 
 
