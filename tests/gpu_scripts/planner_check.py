@@ -87,19 +87,20 @@ def lean() -> dict:
     from um_alloc.planner.lean_loss import chunked_cross_entropy
 
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        for reduction in ("mean", "sum"):
-            torch.manual_seed(0)
-            logits = (4 * torch.randn(4096, 30522, device="cuda")).to(dtype).requires_grad_()
-            target = torch.randint(0, 30522, (4096,), device="cuda")
-            target[::5] = -100
+    cases = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+    for (dtype, autocast), reduction in [(c, r) for c in cases for r in ("mean", "sum")]:
+        torch.manual_seed(0)
+        logits = (4 * torch.randn(4096, 30522, device="cuda")).to(dtype).requires_grad_()
+        target = torch.randint(0, 30522, (4096,), device="cuda")
+        target[::5] = -100
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             plain = F.cross_entropy(logits, target, reduction=reduction)
-            plain_grad, = torch.autograd.grad(plain, logits)
             chunked = chunked_cross_entropy(logits, target, reduction=reduction, chunk_bytes=32 * MiB)
-            chunked_grad, = torch.autograd.grad(chunked, logits)
-            out[f"{dtype}_{reduction}"] = {"loss_equal": torch.equal(plain, chunked),
-                                           "grad_equal": torch.equal(plain_grad, chunked_grad),
-                                           "grad_max_diff": (plain_grad.float() - chunked_grad.float()).abs().max().item()}
+        plain_grad, = torch.autograd.grad(plain, logits)
+        chunked_grad, = torch.autograd.grad(chunked, logits)
+        out[f"{dtype}_autocast{autocast}_{reduction}"] = {
+            "loss_equal": torch.equal(plain, chunked), "grad_equal": torch.equal(plain_grad, chunked_grad),
+            "grad_max_diff": (plain_grad.float() - chunked_grad.float()).abs().max().item()}
     return out
 
 

@@ -3,10 +3,11 @@
 Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``detach``):
 
 - keep: it runs as it is.
-- move: what autograd saves while it runs goes to pinned host memory (the root's saved-tensor
-  hooks hand it to um_alloc.offload's transfer engine: copies through stages on side streams) and
-  comes back ahead of backward, started as the gradient reaches each unit. The same hooks keep or
-  move what the model saves outside every unit (its loss), as the plan's last decision says.
+- move: what autograd saves while it runs goes to pinned host memory (saved-tensor hooks around
+  its forward hand it to um_alloc.offload's transfer engine: copies through stages on side streams)
+  and comes back ahead of backward, started as the gradient reaches each unit. What the model saves
+  outside every unit (its loss) moves the same way when the plan's last decision says so. Only
+  what moves pays for the hooks: a Python call per saved tensor.
 - recompute / selective: it runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state kept, so
   dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint policy, which keeps
   the outputs of matmuls, convolutions and attention and recomputes the rest. BatchNorm's running
@@ -14,9 +15,9 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
 - ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
   after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
 
-Between units and after the last one, while the root's forward runs, a large cross-entropy is
-computed in row chunks (lean_loss.LeanLoss: the same result, half the loss's memory): that is
-where a model computes its loss.
+Outside every unit, while the root's forward runs, a large cross-entropy is computed in row
+chunks (lean_loss.LeanLoss: the same result, half the loss's memory): that is where a model
+computes its loss.
 
 A step begins at the root module's forward with gradients enabled and ends when autograd's
 backward has finished (a callback queued from the first gradient hook); a step whose backward never
@@ -182,10 +183,9 @@ class Runtime:
         self._step: Step | None = None       # the training step whose forward is running
         self._open: Step | None = None       # the last step begun, until its backward ends
         self._where: int = self.rest          # the unit whose forward is running
-        self._hooks = None                   # the root's saved-tensor hooks, while its forward runs
         self._handles: list = []
         self.lean_loss = LeanLoss() if lean_loss else None
-        self._lean_entered = False           # between units, in a step's forward
+        self._outside: contextlib.ExitStack | None = None  # what runs outside every unit, in a step's forward
 
     # -- attaching --
 
@@ -202,7 +202,7 @@ class Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._lean(False)
+        self._outside_units(False)
         self.close_open_step()
 
     # -- steps --
@@ -220,27 +220,24 @@ class Runtime:
         self._step = self._open = Step(spec, self.transfers, moves)
         self.transfers.begin_step()
         self._where = self.rest
-        if Decision.MOVE in spec.decisions:  # a Python call per saved tensor: only when something moves
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.transfers.unpack)
-            self._hooks.__enter__()
         self._step.mark("forward start")
+        self._outside_units(True)
 
     def _end_forward(self, module, args, output) -> None:
+        self._outside_units(False)  # also when forward raised (always_call)
         step, self._step = self._step, None
-        self._lean(False)
-        if self._hooks is not None:  # also when forward raised (always_call)
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
         if step is None:
             return
         step.mark("forward end")
         self._on_backward(step, None, output)
 
+    def _saved_tensors_moved(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self.transfers.unpack)
+
     def _pack(self, tensor: torch.Tensor):
-        """What autograd saves outside checkpointed units: kept, or moved as the unit (or, outside
-        every unit, the rest) was told. Checkpointed units save under checkpoint's own hooks."""
+        """What autograd saves in a moved unit (or, outside every unit, a moved rest): to host memory."""
         step = self._step
-        if step is None or step.spec.decisions[self._where] is not Decision.MOVE:
+        if step is None:
             return tensor
         before = self.transfers.stats.out_bytes
         entry = self.transfers.pack(tensor)
@@ -287,12 +284,15 @@ class Runtime:
         if step is None:
             return forward(*args, **kwargs)
         decision = step.spec.decisions[index]
-        self._lean(False)
+        self._outside_units(False)
         start = step.mark("pre", index)
         outer, self._where = self._where, index
         try:
-            if decision in (Decision.KEEP, Decision.MOVE):  # the root's hooks keep or move what it saves
+            if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
+            elif decision is Decision.MOVE:
+                with self._saved_tensors_moved():
+                    out = forward(*args, **kwargs)
             else:
                 out = self._recomputed(step, index, decision, forward, args, kwargs)
         except torch.OutOfMemoryError:
@@ -301,22 +301,28 @@ class Runtime:
         finally:
             self._where = outer
         end = step.mark("post", index)
-        self._lean(outer == self.rest)
+        self._outside_units(outer == self.rest)
         if step.spec.recorder:
             step.spec.recorder.pair("forward", index, start, end)
         if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
             self._on_backward(step, index, out)
         return out
 
-    def _lean(self, on: bool) -> None:
-        """The chunked cross-entropy, on between units (the loss comes after the last one)."""
-        if self.lean_loss is None or on == self._lean_entered:
+    def _outside_units(self, on: bool) -> None:
+        """Enters (or leaves) what applies outside every unit in a step's forward: the chunked
+        cross-entropy (a model's loss comes after its last unit), and the rest's moves if it moves."""
+        if on == (self._outside is not None):
             return
-        if on:
-            self.lean_loss.__enter__()
-        else:
-            self.lean_loss.__exit__(None, None, None)
-        self._lean_entered = on
+        if not on:
+            self._outside, stack = None, self._outside
+            stack.close()
+            return
+        step, stack = self._step, contextlib.ExitStack()
+        if self.lean_loss is not None:
+            stack.enter_context(self.lean_loss)
+        if step is not None and step.spec.decisions[self.rest] is Decision.MOVE:
+            stack.enter_context(self._saved_tensors_moved())
+        self._outside = stack
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
         parked: list[_Parked] = []
