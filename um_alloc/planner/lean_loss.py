@@ -12,10 +12,9 @@ The result is bit-for-bit PyTorch's: the same log-softmax and nll kernels run on
 (their arithmetic per row does not depend on how many rows there are), the loss is nll_loss's own
 reduction over the picked values, and the gradient is log-softmax's backward of nll's gradient, row
 by row. Only what the chunks cannot change is taken: mean or sum reduction, no class weights, no
-label smoothing, class-index targets, 2-D logits of at least ``min_bytes``. Under CUDA autocast
-half-precision logits are taken to fp32 chunk by chunk, as autocast takes them whole for
-log-softmax; there the savings are larger still (autocast's fp32 copy is never made whole). Every
-other call is PyTorch's own.
+label smoothing, class-index targets, 2-D logits of at least ``min_bytes``. Under autocast the
+log-softmax runs in the logits' own dtype, as cross_entropy asks of it (autocast then leaves it
+alone), and nll_loss in fp32. Every other call is PyTorch's own.
 
 ``LeanLoss`` is a TorchFunctionMode: the planner enters it where a model computes its loss (after
 its last unit, inside its forward), so no code changes.
@@ -40,9 +39,7 @@ def applies(logits, target, weight=None, size_average=None, ignore_index=-100, r
             and logits.dim() == 2 and target.dim() == 1 and not target.is_floating_point()
             and logits.is_floating_point() and logits.requires_grad
             and weight is None and size_average is None and reduce is None and label_smoothing == 0.0
-            and reduction in ("mean", "sum") and logits.numel() * logits.element_size() >= min_bytes
-            and (logits.dtype == torch.float32 or not torch.is_autocast_enabled(logits.device.type)
-                 or logits.device.type == "cuda"))  # CUDA autocast runs log-softmax in fp32
+            and reduction in ("mean", "sum") and logits.numel() * logits.element_size() >= min_bytes)
 
 
 def chunked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -51,52 +48,40 @@ def chunked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_ind
     the log-softmax recomputed in backward `chunk_bytes` of rows at a time."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-    compute = _compute_dtype(logits)
-    rows = max(1, chunk_bytes // max(logits.size(1) * compute.itemsize, 1))
-    return _ChunkedCrossEntropy.apply(logits, target, ignore_index, reduction, rows, compute)
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """The dtype log-softmax runs in: fp32 for half-precision logits under CUDA autocast (its
-    policy for log_softmax), the logits' own otherwise. Backward runs outside autocast, so the
-    recomputation casts explicitly."""
-    lower = logits.dtype in (torch.float16, torch.bfloat16)
-    if lower and logits.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        return torch.float32
-    return logits.dtype
+    rows = max(1, chunk_bytes // max(logits.size(1) * logits.element_size(), 1))
+    return _ChunkedCrossEntropy.apply(logits, target, ignore_index, reduction, rows)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, rows, compute):
+    def forward(ctx, logits, target, ignore_index, reduction, rows):
         valid = target != ignore_index
         index = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
-        picked = torch.empty(logits.size(0), 1, dtype=compute, device=logits.device)
+        picked = torch.empty(logits.size(0), 1, dtype=logits.dtype, device=logits.device)
         for start in range(0, logits.size(0), rows):
             end = start + rows
-            log_probs = F.log_softmax(logits[start:end].to(compute), 1)
+            log_probs = F.log_softmax(logits[start:end], 1, dtype=logits.dtype)  # as cross_entropy: autocast keeps it
             torch.gather(log_probs, 1, index[start:end], out=picked[start:end])
         # nll_loss itself reduces the picked values: one column, class 0 where the row counts.
         column_target = torch.where(valid, torch.zeros_like(target), target)
         ctx.save_for_backward(logits, index, valid)
-        ctx.rows, ctx.reduction, ctx.compute = rows, reduction, compute
+        ctx.rows, ctx.reduction = rows, reduction
         return F.nll_loss(picked, column_target, ignore_index=ignore_index, reduction=reduction)
 
     @staticmethod
     def backward(ctx, grad):
         logits, index, valid = ctx.saved_tensors
-        # nll_loss's gradient of each picked log-probability: -grad (sum), -grad / counted rows (mean).
+        # nll_loss's gradient of each picked log-probability, -grad (sum) or -grad / counted rows
+        # (mean), in nll_loss's dtype (fp32 under autocast), then in the log-probabilities' dtype.
         scale = grad / valid.sum().to(grad.dtype) if ctx.reduction == "mean" else grad
-        compute = ctx.compute
-        picked_grad = torch.where(valid, -scale, torch.zeros_like(scale)).to(compute).unsqueeze(1)
+        picked_grad = torch.where(valid, -scale, torch.zeros_like(scale)).to(logits.dtype).unsqueeze(1)
         out = torch.empty_like(logits)
         for start in range(0, logits.size(0), ctx.rows):
             end = start + ctx.rows
-            log_probs = F.log_softmax(logits[start:end].to(compute), 1)
+            log_probs = F.log_softmax(logits[start:end], 1, dtype=logits.dtype)
             grad_log_probs = torch.zeros_like(log_probs).scatter_(1, index[start:end], picked_grad[start:end])
-            # the cast's gradient, as autocast's own cast gives it: rounded to the logits' dtype
-            out[start:end] = torch.ops.aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, compute)
-        return out, None, None, None, None, None
+            out[start:end] = torch.ops.aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, logits.dtype)
+        return out, None, None, None, None
 
 
 class LeanLoss(TorchFunctionMode):
