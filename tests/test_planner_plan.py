@@ -106,3 +106,19 @@ def test_a_large_unit_held_only_late_leaves_the_earlier_units_their_room():
     plan = make_plan(cal, 14 * GiB)
     assert plan.decisions[rest] is Decision.KEEP  # moving 3 GiB with no compute around it would wait
     assert plan.limit_bytes - plan.predicted_peak_bytes < 800 * MiB  # less than one more kept block
+
+
+def test_copies_out_that_outrun_the_forward_close_by_cost_their_excess():
+    """A whole block moved in one burst: the link takes longer than this block's and the next one's
+    forward, and compute that reuses the memory waits for the rest; a small input moves for free."""
+    cal = transformer(blocks=8, saved=800 * MiB, inputs=64 * MiB, rate=50e9)
+    leads = cal.leads()
+    block, lead = cal.units[4], leads[4]
+    assert lead == pytest.approx(4e-3)  # its kept forward and the next block's
+    burst = (block.saved_bytes + block.input_bytes) / 50e9
+    back = burst - block.hide_s  # copies back: beyond the compute around it
+    assert block.cost_s(Decision.MOVE, 50e9, 1.0, lead) == pytest.approx(back + burst - lead, abs=1e-5)
+    assert block.cost_s(Decision.RECOMPUTE_MOVED, 50e9, 1.0, lead) == pytest.approx(2e-3, abs=1e-5)
+    plan = make_plan(cal, 11 * GiB)
+    assert Decision.MOVE not in plan.decisions[1:-1]  # recomputing a block is cheaper than waiting for it
+    assert plan.costs and sum(plan.costs) + cal.base_step_s() == pytest.approx(plan.predicted_step_s)

@@ -89,13 +89,18 @@ class UnitCost:
             return self.saved_bytes + self.input_bytes
         return self.input_bytes if decision.moves_inputs else 0
 
-    def cost_s(self, decision: Decision, rate: float = math.inf, hide_scale: float = 1.0) -> float:
-        """Time this decision adds to a step in which everything stays on the GPU. Its copies cost
+    def cost_s(self, decision: Decision, rate: float = math.inf, hide_scale: float = 1.0,
+               lead_s: float = math.inf) -> float:
+        """Time this decision adds to a step in which everything stays on the GPU. Copies back cost
         what the link takes beyond the compute around the unit (hide_s, scaled to the planned step's
-        pace), out and back; a move the link hides costs a microsecond a gigabyte (the copies through
-        the stage), which also breaks a tie between keeping and moving in favour of keeping."""
+        pace). Copies out must also keep up with the forward close by (lead_s: this unit's and the
+        next one's): the memory they read is needed again soon, and compute that reuses it waits for
+        them. A move the link hides costs a microsecond a gigabyte (the copies through the stage),
+        which also breaks a tie between keeping and moving in favour of keeping."""
         moved = self.moved(decision)
-        moving = moved * 1e-15 + 2 * max(moved / rate - hide_scale * self.hide_s, 0.0)
+        link = moved / rate
+        around = hide_scale * self.hide_s
+        moving = moved * 1e-15 + max(link - around, 0.0) + max(link - min(lead_s, around), 0.0)
         rerun = min(self.forward_s, self.recompute_s)
         if decision in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED):
             return rerun + moving
@@ -132,7 +137,8 @@ class Calibration:
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
         backward (recompute_s). Kept, it runs once, as fast as the faster of the two."""
         blocks = [u for u in self.units if u.kind == "block"]
-        waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s) - u.cost_s(SAFE[u.kind]) for u in self.units)
+        waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind])
+                     for u, lead in zip(self.units, self.leads(1.0)))
         return max(self.step_s - sum(max(u.forward_s, u.recompute_s) for u in blocks) - waited, 0.0)
 
     def hide_scale(self) -> float:
@@ -141,6 +147,15 @@ class Calibration:
         safe = sum(u.forward_s for u in self.units)
         kept = sum(min(u.forward_s, u.recompute_s) if u.kind == "block" else u.forward_s for u in self.units)
         return kept / safe if safe > 0 else 1.0
+
+    def leads(self, scale: float | None = None) -> list[float]:
+        """Per unit, the kept forward of it and of the next unit: what its copies out hide under.
+        A block's kept forward is the faster of its two measured runs; a gap's, its forward at the
+        planned step's pace (`scale`, default hide_scale())."""
+        scale = self.hide_scale() if scale is None else scale
+        kept = [min(u.forward_s, u.recompute_s) if u.kind == "block" and u.recompute_s > 0 else scale * u.forward_s
+                for u in self.units]
+        return [a + b for a, b in zip(kept, kept[1:] + [0.0])]
 
     def smallest_peak(self) -> int:
         return max((s.peak_bytes for s in self.segments), default=0)
@@ -168,11 +183,13 @@ class Plan:
     predicted_step_s: float
     predicted_peak_bytes: int
     moved_bytes: int
+    costs: tuple[float, ...] = ()  # seconds each decision adds: recomputation and waits for the link
 
     def rows(self) -> list[dict]:
+        costs = self.costs or tuple(u.cost_s(d) for u, d in zip(self.units, self.decisions))
         return [{"unit": u.name, "kind": u.kind, "decision": d.value, "retained_bytes": u.retained(d),
-                 "moved_bytes": u.moved(d), "forward_ms": 1e3 * u.forward_s, "cost_ms": 1e3 * u.cost_s(d)}
-                for u, d in zip(self.units, self.decisions)]
+                 "moved_bytes": u.moved(d), "forward_ms": 1e3 * u.forward_s, "cost_ms": 1e3 * cost}
+                for u, d, cost in zip(self.units, self.decisions, costs)]
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -219,7 +236,8 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
             f"{format_size(floor)} on the GPU, and {format_size(smallest - floor)} more is needed beside it "
             f"(margin, fragmentation, copy stages); the smallest budget that fits is {format_size(smallest)}",
             smallest)
-    options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale()) for u in cal.units]
+    options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale(), lead)
+               for u, lead in zip(cal.units, cal.leads())]
     link_room = _link_room(cal, hide_fraction)
     lowest = min((s.peak_bytes for s in cal.segments), default=0)  # where a prefix has the most room
     grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
@@ -242,9 +260,9 @@ def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: i
     peak = max((s.peak_bytes + sum(delta[j] for j in s.held) for s in cal.segments), default=0)
     moved = sum(u.moved(d) for u, d in zip(cal.units, decisions))
     rate, scale = cal.link_bytes_per_s, cal.hide_scale()
-    step = (cal.base_step_s() + sum(u.cost_s(d, rate, scale) for u, d in zip(cal.units, decisions))
-            + _stall_s(moved, link_room, cal.link_bytes_per_s))
-    return Plan(decisions, cal.units, budget_bytes, limit, step, peak, moved)
+    costs = tuple(u.cost_s(d, rate, scale, lead) for u, d, lead in zip(cal.units, decisions, cal.leads()))
+    step = cal.base_step_s() + sum(costs) + _stall_s(moved, link_room, cal.link_bytes_per_s)
+    return Plan(decisions, cal.units, budget_bytes, limit, step, peak, moved, costs)
 
 
 def _stall_s(moved: int, link_room: int, rate: float) -> float:
@@ -252,7 +270,7 @@ def _stall_s(moved: int, link_room: int, rate: float) -> float:
     return 2 * max(moved - link_room, 0) / rate if rate > 0 else 0.0
 
 
-def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: float
+def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: float, lead_s: float
              ) -> list[tuple[Decision, int, int, float]]:
     """(decision, bytes added over the safe mode, bytes moved, seconds added) for each choice that
     is allowed and whose moves the link can hide behind the compute around this unit. The safe
@@ -265,7 +283,7 @@ def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: 
             continue
         if d is not safe_decision and unit.moved(d) > hide_fraction * rate * scale * unit.hide_s:
             continue
-        out.append((d, unit.retained(d) - safe, unit.moved(d), unit.cost_s(d, rate, scale)))
+        out.append((d, unit.retained(d) - safe, unit.moved(d), unit.cost_s(d, rate, scale, lead_s)))
     return out
 
 
