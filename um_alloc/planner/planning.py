@@ -55,7 +55,7 @@ class Decision(str, enum.Enum):
 BLOCK_DECISIONS = tuple(Decision)
 GAP_DECISIONS = (Decision.KEEP, Decision.MOVE)  # a gap is not in a container the plan can rerun
 SAFE = {"block": Decision.RECOMPUTE_MOVED, "gap": Decision.MOVE}
-# The forward a plan's copies out hide under. None: measured plans that moved anything in forward
+# The forward a plan's copies out hide under: none. Measured plans that moved anything in forward
 # were slower by about the link's time for those bytes (BERT-Large on an H100: 20 inputs of 64 MiB
 # moved, one a block, cost 1-1.5 ms each beside a 2.5 ms forward), since compute that reuses the
 # memory a copy reads waits for it. A plan moves only what it cannot fit otherwise.
@@ -140,7 +140,9 @@ class Calibration:
     def base_step_s(self) -> float:
         """The step with everything kept. In the safe step each block ran its forward twice: once
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
-        backward (recompute_s). Kept, it runs once, as fast as the faster of the two."""
+        backward (recompute_s). Kept, it runs once, as fast as the faster of the two. The safe step's
+        own copies out are taken as hidden under the forward close by (leads()): its forward waits
+        on the host, which leaves the link room that a planned step's does not."""
         blocks = [u for u in self.units if u.kind == "block"]
         waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind])
                      for u, lead in zip(self.units, self.leads(1.0)))
