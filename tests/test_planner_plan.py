@@ -129,3 +129,27 @@ def test_copies_out_that_outrun_the_forward_close_by_cost_their_excess():
     plan = make_plan(cal, 11 * GiB)
     assert Decision.MOVE not in plan.decisions[1:-1]  # recomputing a block is cheaper than waiting for it
     assert plan.costs and sum(plan.costs) + cal.base_step_s() == pytest.approx(plan.predicted_step_s)
+
+
+def test_a_recomputation_costs_the_hosts_time_where_the_host_sets_the_backwards_pace():
+    # BERT-Large on an H100: the host issues a block's backward about as fast as the GPU runs it,
+    # so the recomputation's extra host time is added in full.
+    host_bound = UnitCost("layer", "block", forward_s=1.2e-3, recompute_s=1.2e-3, recompute_cpu_s=2.0e-3,
+                          backward_s=2.9e-3, backward_cpu_s=2.8e-3)
+    assert host_bound.cost_s(Decision.RECOMPUTE) == pytest.approx(1.9e-3)
+    # A large batch: the GPU's backward leaves the host time to spare, which hides its extra part.
+    gpu_bound = UnitCost("layer", "block", forward_s=1.2e-3, recompute_s=1.2e-3, recompute_cpu_s=2.0e-3,
+                         backward_s=9e-3, backward_cpu_s=2.8e-3)
+    assert gpu_bound.cost_s(Decision.RECOMPUTE) == pytest.approx(1.2e-3)
+    # Without the host's clock, the GPU's time.
+    unmeasured = UnitCost("layer", "block", forward_s=1.2e-3, recompute_s=1.2e-3)
+    assert unmeasured.cost_s(Decision.RECOMPUTE) == pytest.approx(1.2e-3)
+
+
+def test_a_selective_recomputation_saves_gpu_time_but_not_the_hosts():
+    unit = UnitCost("layer", "block", forward_s=1.2e-3, recompute_s=1.2e-3, matmul_s=0.9e-3,
+                    recompute_cpu_s=2.0e-3, backward_s=2.9e-3, backward_cpu_s=2.8e-3)
+    assert unit.cost_s(Decision.SELECTIVE) == pytest.approx(unit.cost_s(Decision.RECOMPUTE))
+    roomy = UnitCost("layer", "block", forward_s=1.2e-3, recompute_s=1.2e-3, matmul_s=0.9e-3,
+                     recompute_cpu_s=2.0e-3, backward_s=9e-3, backward_cpu_s=2.8e-3)
+    assert roomy.cost_s(Decision.SELECTIVE) == pytest.approx(0.3e-3)

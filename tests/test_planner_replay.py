@@ -141,3 +141,16 @@ def test_bad_arguments_are_refused_before_any_work():
         BlockPlanner(torch.nn.Linear(2, 2), "1GiB")
     with pytest.raises(ValueError, match="budget"):
         BlockPlanner(model, "-1GiB")
+
+
+def test_calibration_times_each_units_backward_on_both_clocks():
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    for _ in range(2):
+        ids = torch.randint(0, 97, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()  # its start closes the calibration
+    blocks = [u for u in planner.calibration.units if u.kind == "block"]
+    assert blocks and all(u.backward_s > 0 and u.backward_cpu_s > 0 for u in blocks)
+    assert all(u.recompute_s > 0 for u in blocks)  # the safe mode recomputes every block
+    planner.remove()

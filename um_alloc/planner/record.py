@@ -77,6 +77,8 @@ class _UnitSeen:
     recompute_s: float = 0.0
     forward_cpu_s: float = 0.0
     recompute_cpu_s: float = 0.0
+    backward_s: float = 0.0
+    backward_cpu_s: float = 0.0
     rebuilt_bytes: int = 0    # live bytes a recompute added: what the unit saves when kept
     moved_bytes: int = 0      # saved bytes it sent to host memory in forward (a moved unit)
     input_bytes: int = 0
@@ -151,14 +153,30 @@ class StepRecorder:
                 seen.recompute_cpu_s += cpu
         for unit, start, end in self._ops:
             self.units[unit].matmul_s += self._seconds(start, end)
+        self._time_backwards()
         hide = self._hide_times()
         units = tuple(UnitCost(name, kind, s.forward_s, s.recompute_s, s.matmul_s,
                                s.rebuilt_bytes if kind == "block" else s.moved_bytes,
-                               s.selective_bytes, s.input_bytes, hide[j], s.forward_cpu_s, s.recompute_cpu_s)
+                               s.selective_bytes, s.input_bytes, hide[j], s.forward_cpu_s, s.recompute_cpu_s,
+                               s.backward_s, s.backward_cpu_s)
                       for j, ((name, kind), s) in enumerate(zip(names, self.units)))
         live_peak = max((m.peak for m in self.marks), default=0)
         return Calibration(units, self._segments(), self._seconds(self.marks[0].clock, next_start),
                            link_bytes_per_s, self.probe.held_beyond_live(live_peak), reserved_bytes)
+
+    def _time_backwards(self) -> None:
+        """Each unit's own backward, on both clocks: from the gradient reaching it to the gradient
+        reaching the unit before it (or backward's end), less its recomputation in between."""
+        later = [k for k, m in enumerate(self.marks) if m.label in ("backward", "backward end")]
+        for seen in self.units:
+            for b in seen.backwards:
+                end = next((k for k in later if k > b), None)
+                if end is None:
+                    continue
+                seen.backward_s += self._seconds(self.marks[b].clock, self.marks[end].clock)
+                seen.backward_cpu_s += self.marks[end].cpu - self.marks[b].cpu
+            seen.backward_s = max(seen.backward_s - seen.recompute_s, 0.0)
+            seen.backward_cpu_s = max(seen.backward_cpu_s - seen.recompute_cpu_s, 0.0)
 
     def _place_rest(self) -> None:
         """What is saved outside the units (a loss inside the model's forward, mostly) is held from
