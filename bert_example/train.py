@@ -33,7 +33,7 @@ from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, checkpoint_state, lo
 from bert_example.data import IGNORE, make_source  # noqa: E402
 from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
-                                  check_policy, memory_limit_bytes, size_bytes)
+                                  check_policy, memory_limit_bytes, size_bytes, warmup_steps)
 
 EXIT_OOM = 3
 RETRIES = 3  # a planned step that runs out of memory is run again this many times, each keeping less  # exit status when the GPU runs out of memory (bench scripts test for it)
@@ -51,7 +51,11 @@ def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limi
         return device
     if args.allocator == "um":
         import um_alloc
+        from um_alloc.device_info import device_memory
 
+        if device_memory(device.index or 0) is None:  # NVML: asks nothing of CUDA
+            parser.error(f"--device {args.device}: no NVIDIA GPU visible (NVML found none); um_alloc needs one. "
+                         "Without a GPU use --device cpu --allocator stock")
         try:
             um_alloc.install(args.policy, max_reserved=limit, budget=budget_value(args.budget),
                              device=device.index or 0)
@@ -207,7 +211,7 @@ def memory_report(args, device: torch.device) -> dict:
 
 
 def summarize(args, device, first_step, losses, seconds, streamer, limit, used_before) -> dict:
-    timed = seconds[args.warmup_steps:] or seconds  # a run shorter than the warm-up times every step
+    timed = seconds[args.warmup_steps:]  # check_args keeps at least one step timed
     step_s = statistics.median(timed)
     bf16 = device.type == "cuda" and not args.no_bf16
     summary = {
@@ -271,6 +275,7 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
         parser.error(f"--resume: no checkpoint in {args.checkpoint} (looked for {CHECKPOINT}, {PREVIOUS})")
     if checkpoint["step"] >= args.steps:
         parser.error(f"--resume: the checkpoint is at step {checkpoint['step']}; --steps {args.steps} leaves nothing to do")
+    args.warmup_steps = warmup_steps(parser, args, args.steps - checkpoint["step"])
     return checkpoint
 
 
