@@ -32,6 +32,7 @@ from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, checkpoint_state, lo
                                       restore, save_checkpoint)
 from bert_example.data import IGNORE, make_source  # noqa: E402
 from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
+from um_alloc.floor import BudgetBelowFloor  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
                                   check_policy, memory_limit_bytes, size_bytes, warmup_steps)
 
@@ -72,15 +73,24 @@ def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limi
     return device
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> torch.nn.Module:
-    """Initialised on the CPU (the same weights on every device for a seed), then moved."""
+def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+    """Initialised on the CPU: the same weights on every device for a seed."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_SEQ_LEN,
                         hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
                         **MODELS[args.model])
     torch.manual_seed(args.seed)
-    return BertForMaskedLM(config).to(device).train()
+    return BertForMaskedLM(config).train()
+
+
+def check_budget_floor(model: torch.nn.Module) -> None:
+    """Under um_alloc, refuses a budget below the model's parameters, gradients and AdamW's
+    moments while the model is still on the CPU: on the GPU, the parameters alone could already
+    pass it. Raises um_alloc.floor.BudgetBelowFloor."""
+    from um_alloc.floor import check_budget
+
+    check_budget(model, torch.optim.AdamW(model.parameters()))  # AdamW's state, as the fused one's
 
 
 def _tag_context(args: argparse.Namespace, name: str):
@@ -282,8 +292,11 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
 def build_training(args, vocab_size: int, device: torch.device):
     """The model, fused AdamW, and the block planner when the policy asks for one; tagged for
     um_alloc when it is the allocator."""
+    model = build_model(args, vocab_size)
+    if args.allocator == "um":
+        check_budget_floor(model)
     with _tag_context(args, "parameter"):
-        model = build_model(args, vocab_size, device)
+        model = model.to(device)
     if args.checkpointing is not None:
         checkpoint_layers(model, args.checkpointing)
     # Fused: one kernel reads and writes each moment once per step (foreach reads them up to three
@@ -366,7 +379,10 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
     used_before = _device_used(device)
-    model, optimizer, planner = build_training(args, source.vocab_size, device)
+    try:
+        model, optimizer, planner = build_training(args, source.vocab_size, device)
+    except BudgetBelowFloor as error:
+        parser.error(str(error))
     first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
     del checkpoint
 

@@ -230,7 +230,7 @@ def test_capabilities_errors_name_the_call(monkeypatch):
 
 # ---------------------------------------------------------------- import hygiene
 @pytest.mark.parametrize("module", ["policy.py", "device_info.py", "__main__.py", "tag_names.py", "errors.py",
-                                    "sizes.py", "stats_fields.py"])
+                                    "sizes.py", "stats_fields.py", "arguments.py"])
 def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
     """torch, pynvml and cuda.bindings must be imported lazily: installing the allocator has to
     happen before anything initialises CUDA, and CI has no GPU libraries."""
@@ -247,6 +247,7 @@ def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
 
 @pytest.mark.parametrize("module, allowed", [
     ("tag_names.py", set()), ("errors.py", set()), ("stats_fields.py", set()), ("sizes.py", {"errors"}),
+    ("arguments.py", {"errors", "sizes"}),
     ("_lib.py", {"tag_names", "stats_fields"}), ("pool.py", {"_lib", "tag_names", "stats_fields"}),
 ])
 def test_the_bottom_of_the_package_imports_only_what_lies_below_it(module, allowed):
