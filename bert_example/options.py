@@ -191,12 +191,14 @@ def check_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     from um_alloc.errors import PolicyError
     from um_alloc.policy import load_policy
 
-    from um_alloc.policy import with_budget
+    from um_alloc.policy import with_budget, with_max_reserved
 
     try:
         policy = load_policy(args.policy)
-        if args.budget is not None:
+        if args.budget is not None:  # checked as the keys they replace, naming the flags
             with_budget(policy, budget_value(args.budget), source="command line", key="--budget")
+        if args.memory_limit is not None:
+            with_max_reserved(policy, budget_value(args.memory_limit), source="command line", key="--memory-limit")
     except PolicyError as error:
         parser.error(str(error))
     if policy.scheduler.strategy in ("auto", "checkpoint"):
@@ -238,7 +240,8 @@ def memory_limit_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def budget_value(text: str | None) -> int | float | str | None:
-    """--budget as install() takes it: "0.5" a fraction of the device, "123" bytes, "16GiB" a size."""
+    """--budget (or --memory-limit) as install() takes it: "0.5" a fraction of the device (refused
+    as a cap), "123" bytes, "16GiB" a size."""
     if text is None or not text.replace(".", "", 1).isdigit():
         return text
     return float(text) if "." in text else int(text)

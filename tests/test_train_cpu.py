@@ -159,6 +159,14 @@ def test_bad_budget_names_the_flag_before_cuda_work(budget, message, capsys):
     assert not torch.cuda.is_initialized()
 
 
+def test_a_memory_limit_below_one_chunk_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny", "--memory-limit", "1MiB"])
+    assert "command line: --memory-limit: must hold at least one chunk (2MiB, 2097152 bytes) (got '1MiB'" \
+        in capsys.readouterr().err
+    assert not torch.cuda.is_initialized()
+
+
 def test_um_without_a_gpu_names_the_flags_that_run_without_one(capsys):
     from um_alloc.device_info import device_memory
 

@@ -241,7 +241,7 @@ def _strategy(scheduler: SchedulerSettings, at: At) -> SchedulerSettings:
 
 
 def _mapping(value: Any, at: At, *, what: str) -> Mapping:
-    if value is None:                 # an empty file or `pool:` with nothing under it
+    if value is None:                 # `pool:` with nothing under it (an empty file is refused before)
         return {}
     if not isinstance(value, Mapping):
         raise at.error(f"expected a mapping ({what})", received=value)
@@ -295,14 +295,16 @@ def with_max_reserved(policy: Policy, max_reserved: Any, *, source: str, key: st
     """The policy with pool.max_reserved replaced by `max_reserved`, checked as the key would be."""
     at = At(source, key)
     value = _size_or("auto")(max_reserved, at)
-    _check_cap_holds_a_chunk(value, policy.pool.chunk_size, at)
+    _check_cap_holds_a_chunk(value, policy.pool.chunk_size, at, written=max_reserved)
     return replace(policy, pool=replace(policy.pool, max_reserved=value))
 
 
-def _check_cap_holds_a_chunk(cap: int | None, chunk_size: int, at: At) -> None:
+def _check_cap_holds_a_chunk(cap: int | None, chunk_size: int, at: At, *, written: Any = None) -> None:
+    """`written`: the value as the caller wrote it, where there is one; else the cap as a size."""
     if cap is not None and cap < chunk_size:
         raise at.error(f"must hold at least one chunk ({size_text(chunk_size)}, {chunk_size} bytes)",
-                       allowed=f"auto, or a size >= {size_text(chunk_size)}", received=cap)
+                       allowed=f"auto, or a size >= {size_text(chunk_size)}",
+                       received=_written(cap) if written is None else written)
 
 
 def _check_budget_holds_a_chunk(budget: int | float | None, chunk_size: int, at: At) -> None:
