@@ -14,6 +14,7 @@ MODELS = {  # BertConfig sizes; everything else is BERT's default
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
 }
 MIN_SEQ_LEN, MAX_SEQ_LEN = 8, 512  # 512: BERT's position embeddings
+WARMUP_STEPS = 2                   # --warmup-steps' default, lowered where a run has fewer steps
 
 
 def _micro_batch(text: str) -> int | str:
@@ -32,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens per sequence, {MIN_SEQ_LEN}..{MAX_SEQ_LEN} (default 512)")
     p.add_argument("--steps", type=int, default=20, metavar="N",
                    help="total optimizer steps, counted from step 0 also with --resume (default 20)")
-    p.add_argument("--warmup-steps", type=int, default=2, metavar="N",
-                   help="first steps of this run left out of the timing (default 2)")
+    p.add_argument("--warmup-steps", type=int, metavar="N",
+                   help=f"first steps of this run left out of the timing, fewer than the run's steps (default "
+                        f"{WARMUP_STEPS}, or one less than a shorter run's steps)")
     p.add_argument("--lr", type=float, default=1e-4, metavar="LR", help="AdamW learning rate (default 1e-4)")
     p.add_argument("--dropout", type=float, default=0.1, metavar="P", help="BERT's dropout probabilities (default 0.1)")
     p.add_argument("--seed", type=int, default=0, help="model init, data and dropout seed (default 0)")
@@ -96,9 +98,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
               ("--steps", args.steps, 1, None), ("--warmup-steps", args.warmup_steps, 0, None),
               ("--checkpoint-every", args.checkpoint_every, 1, None)]
     for name, value, low, high in ranges:
-        if value < low or (high is not None and value > high):
+        if value is not None and (value < low or (high is not None and value > high)):
             allowed = f"between {low} and {high}" if high is not None else f">= {low}"
             parser.error(f"{name} must be {allowed}, got {value}")
+    args.warmup_steps = warmup_steps(parser, args, args.steps)
+    if isinstance(args.micro_batch, int) and args.micro_batch > args.batch_size:
+        parser.error(f"--micro-batch {args.micro_batch} is larger than --batch-size {args.batch_size}; "
+                     f"allowed: 1 to {args.batch_size}, or auto")
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
     if not 0 <= args.dropout < 1:
@@ -123,6 +129,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     check_offload(parser, args)
     if args.allocator == "um":
         check_policy(parser, args)
+
+
+def warmup_steps(parser: argparse.ArgumentParser, args: argparse.Namespace, run_steps: int) -> int:
+    """--warmup-steps for a run of `run_steps` steps: given, fewer than those (else no step would be
+    timed); not given, WARMUP_STEPS or fewer, so that at least one step is timed."""
+    given = getattr(args, "warmup_given", args.warmup_steps)
+    args.warmup_given = given
+    if given is None:
+        return min(WARMUP_STEPS, run_steps - 1)
+    if given >= run_steps:
+        parser.error(f"--warmup-steps {given} leaves none of this run's {run_steps} steps timed; "
+                     f"allowed: 0 to {run_steps - 1}")
+    return given
 
 
 def check_measurements(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> None:
@@ -172,8 +191,14 @@ def check_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     from um_alloc.errors import PolicyError
     from um_alloc.policy import load_policy
 
+    from um_alloc.policy import with_budget, with_max_reserved
+
     try:
         policy = load_policy(args.policy)
+        if args.budget is not None:  # checked as the keys they replace, naming the flags
+            with_budget(policy, budget_value(args.budget), source="command line", key="--budget")
+        if args.memory_limit is not None:
+            with_max_reserved(policy, budget_value(args.memory_limit), source="command line", key="--memory-limit")
     except PolicyError as error:
         parser.error(str(error))
     if policy.scheduler.strategy in ("auto", "checkpoint"):
@@ -215,7 +240,8 @@ def memory_limit_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def budget_value(text: str | None) -> int | float | str | None:
-    """--budget as install() takes it: "0.5" a fraction of the device, "123" bytes, "16GiB" a size."""
+    """--budget (or --memory-limit) as install() takes it: "0.5" a fraction of the device (refused
+    as a cap), "123" bytes, "16GiB" a size."""
     if text is None or not text.replace(".", "", 1).isdigit():
         return text
     return float(text) if "." in text else int(text)

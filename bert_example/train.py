@@ -32,8 +32,9 @@ from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, checkpoint_state, lo
                                       restore, save_checkpoint)
 from bert_example.data import IGNORE, make_source  # noqa: E402
 from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
+from um_alloc.floor import BudgetBelowFloor  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
-                                  check_policy, memory_limit_bytes, size_bytes)
+                                  check_policy, memory_limit_bytes, size_bytes, warmup_steps)
 
 EXIT_OOM = 3
 RETRIES = 3  # a planned step that runs out of memory is run again this many times, each keeping less  # exit status when the GPU runs out of memory (bench scripts test for it)
@@ -51,7 +52,11 @@ def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limi
         return device
     if args.allocator == "um":
         import um_alloc
+        from um_alloc.device_info import device_memory
 
+        if device_memory(device.index or 0) is None:  # NVML: asks nothing of CUDA
+            parser.error(f"--device {args.device}: no NVIDIA GPU visible (NVML found none); um_alloc needs one. "
+                         "Without a GPU use --device cpu --allocator stock")
         try:
             um_alloc.install(args.policy, max_reserved=limit, budget=budget_value(args.budget),
                              device=device.index or 0)
@@ -68,15 +73,24 @@ def setup_device(parser: argparse.ArgumentParser, args: argparse.Namespace, limi
     return device
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> torch.nn.Module:
-    """Initialised on the CPU (the same weights on every device for a seed), then moved."""
+def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+    """Initialised on the CPU: the same weights on every device for a seed."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_SEQ_LEN,
                         hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout,
                         **MODELS[args.model])
     torch.manual_seed(args.seed)
-    return BertForMaskedLM(config).to(device).train()
+    return BertForMaskedLM(config).train()
+
+
+def check_budget_floor(model: torch.nn.Module) -> None:
+    """Under um_alloc, refuses a budget below the model's parameters, gradients and AdamW's
+    moments while the model is still on the CPU: on the GPU, the parameters alone could already
+    pass it. Raises um_alloc.floor.BudgetBelowFloor."""
+    from um_alloc.floor import check_budget
+
+    check_budget(model, torch.optim.AdamW(model.parameters()))  # AdamW's state, as the fused one's
 
 
 def _tag_context(args: argparse.Namespace, name: str):
@@ -207,7 +221,7 @@ def memory_report(args, device: torch.device) -> dict:
 
 
 def summarize(args, device, first_step, losses, seconds, streamer, limit, used_before) -> dict:
-    timed = seconds[args.warmup_steps:] or seconds  # a run shorter than the warm-up times every step
+    timed = seconds[args.warmup_steps:]  # check_args keeps at least one step timed
     step_s = statistics.median(timed)
     bf16 = device.type == "cuda" and not args.no_bf16
     summary = {
@@ -271,14 +285,18 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
         parser.error(f"--resume: no checkpoint in {args.checkpoint} (looked for {CHECKPOINT}, {PREVIOUS})")
     if checkpoint["step"] >= args.steps:
         parser.error(f"--resume: the checkpoint is at step {checkpoint['step']}; --steps {args.steps} leaves nothing to do")
+    args.warmup_steps = warmup_steps(parser, args, args.steps - checkpoint["step"])
     return checkpoint
 
 
 def build_training(args, vocab_size: int, device: torch.device):
     """The model, fused AdamW, and the block planner when the policy asks for one; tagged for
     um_alloc when it is the allocator."""
+    model = build_model(args, vocab_size)
+    if args.allocator == "um":
+        check_budget_floor(model)
     with _tag_context(args, "parameter"):
-        model = build_model(args, vocab_size, device)
+        model = model.to(device)
     if args.checkpointing is not None:
         checkpoint_layers(model, args.checkpointing)
     # Fused: one kernel reads and writes each moment once per step (foreach reads them up to three
@@ -361,7 +379,10 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
     used_before = _device_used(device)
-    model, optimizer, planner = build_training(args, source.vocab_size, device)
+    try:
+        model, optimizer, planner = build_training(args, source.vocab_size, device)
+    except BudgetBelowFloor as error:
+        parser.error(str(error))
     first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
     del checkpoint
 

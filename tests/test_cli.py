@@ -68,7 +68,8 @@ def test_check_against_given_device_memory(tmp_path):
     big.write_text("scheduler: {budget: 12GiB}\n")
     small = run_cli("check", "--device-memory", "8GiB", big)
     assert small.returncode == 1
-    assert "checking against device memory: --device-memory 8.0 GiB" in small.stdout
+    assert "checking against device memory: --device-memory 8GiB" in small.stdout
+    assert "(got '12GiB')" in small.stderr  # the budget as the file writes it, not 12884901888
     assert "scheduler.budget: larger than device memory (8.0 GiB, 8589934592 bytes)" in small.stderr
     large = run_cli("check", "--device-memory", "16GiB", big)
     assert large.returncode == 0 and "budget 12.0 GiB" in large.stdout
@@ -79,6 +80,9 @@ def test_check_against_given_device_memory(tmp_path):
     (("check",), "the following arguments are required: FILE"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
     (("check", "--device-memory", "8GB", "best"), "'8GB' is ambiguous: write 8GiB"),
+    (("check", "--device-memory", "0", "best"), "--device-memory: size must be > 0 (got 0; allowed: an integer number "
+                                                "of bytes > 0"),
+    (("info", "--device", "-1"), "--device: out of range (got -1; allowed: an integer >= 0)"),
 ])
 def test_usage_errors_exit_2(args, fragment):
     result = run_cli(*args)
@@ -226,7 +230,7 @@ def test_capabilities_errors_name_the_call(monkeypatch):
 
 # ---------------------------------------------------------------- import hygiene
 @pytest.mark.parametrize("module", ["policy.py", "device_info.py", "__main__.py", "tag_names.py", "errors.py",
-                                    "sizes.py", "stats_fields.py"])
+                                    "sizes.py", "stats_fields.py", "arguments.py"])
 def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
     """torch, pynvml and cuda.bindings must be imported lazily: installing the allocator has to
     happen before anything initialises CUDA, and CI has no GPU libraries."""
@@ -243,6 +247,7 @@ def test_modules_import_only_stdlib_and_yaml_at_top_level(module):
 
 @pytest.mark.parametrize("module, allowed", [
     ("tag_names.py", set()), ("errors.py", set()), ("stats_fields.py", set()), ("sizes.py", {"errors"}),
+    ("arguments.py", {"errors", "sizes"}),
     ("_lib.py", {"tag_names", "stats_fields"}), ("pool.py", {"_lib", "tag_names", "stats_fields"}),
 ])
 def test_the_bottom_of_the_package_imports_only_what_lies_below_it(module, allowed):

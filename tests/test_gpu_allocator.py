@@ -122,3 +122,13 @@ def test_a_spilled_head_lives_in_host_memory_and_trains_the_same(cuda_device):
     assert plain["saved_bytes"] - spill["saved_bytes"] >= 128 * MiB
     assert plain["peak_gpu_backed_bytes"] - spill["peak_gpu_backed_bytes"] >= 128 * MiB
     assert spill["backend_errors"] == 0 and plain["backend_errors"] == 0
+
+
+def test_train_py_refuses_a_budget_below_the_parameters_gradients_and_moments(cuda_device):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(ROOT / "bert_example" / "train.py"), "--model", "tiny", "--seq-len", "32",
+                           "--batch-size", "2", "--steps", "2", "--policy", "best.yaml", "--budget", "16MiB"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "GPU budget 16.0 MiB (16777216 bytes) is below what stays on the GPU all step" in done.stderr
+    assert "optimizer state (expected)" in done.stderr and "Traceback" not in done.stderr

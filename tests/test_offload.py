@@ -135,12 +135,20 @@ def test_a_step_unlike_the_first_offloads_everything():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(budget="1GiB", margin="2GiB"), "budget 1073741824 bytes must be larger than the margin"),
+    (dict(budget="1GiB", margin="2GiB"), r"budget: must be larger than the margin \(2GiB\) kept under it \(got '1GiB'"),
     (dict(budget="16GiB"), "on the CPU a budget needs peak_fn"),
-    (dict(calibration_steps=0), "calibration_steps must be an int >= 1"),
-    (dict(window=-1), "window must be bytes >= 0"),
+    (dict(calibration_steps=0), r"calibration_steps: out of range \(got 0; allowed: an integer >= 1\)"),
+    (dict(calibration_steps=1.5), r"calibration_steps: not an integer \(got 1.5"),
+    (dict(window=-1), r"window: negative size \(got -1"),
+    (dict(budget=0), r"budget: size must be > 0 \(got 0"),
+    (dict(min_bytes=2.5), r"min_bytes: a bare decimal number is not a size \(got 2.5"),
+    (dict(host_reserve="8 GB"), r"host_reserve: unknown size unit \(got '8 GB'"),
+    (dict(rebuild="no"), r"rebuild: expected a boolean \(got 'no'; allowed: true, false\)"),
+    (dict(staging=1), r"staging: expected a boolean \(got 1"),
+    (dict(peak_fn=5), r"peak_fn: not callable \(got 5"),
     (dict(window="1 GB"), "window"),
-    (dict(device="meta"), "device must be cuda, cuda:N or cpu"),
+    (dict(device="meta"), r"device: not a CUDA device or the CPU \(got 'meta'; allowed: cuda, cuda:N, cpu"),
+    (dict(device="gpu0"), r"device: not a CUDA device or the CPU \(got 'gpu0'"),
     (dict(device="cpu", staging=True), "staging needs a CUDA device"),
 ])
 def test_bad_settings_say_what_is_allowed(kwargs, message):

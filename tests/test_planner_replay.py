@@ -131,11 +131,11 @@ def test_evaluation_without_gradients_leaves_the_training_step_alone():
 
 def test_bad_arguments_are_refused_before_any_work():
     model = tiny_bert()
-    with pytest.raises(ValueError, match="strategy must be one of"):
+    with pytest.raises(ValueError, match=r"strategy: invalid value \(got 'fastest'; allowed: auto, checkpoint\)"):
         BlockPlanner(model, "1GiB", strategy="fastest")
     with pytest.raises(ValueError, match="no budget"):
         BlockPlanner(model)
-    with pytest.raises(ValueError, match="decisions must be"):
+    with pytest.raises(ValueError, match=r"decisions: not a non-empty list of decisions \(got \['keep', 'teleport'\]"):
         BlockPlanner(model, "1GiB", decisions=["keep", "teleport"])
     with pytest.raises(ValueError, match="no repeated blocks"):
         BlockPlanner(torch.nn.Linear(2, 2), "1GiB")

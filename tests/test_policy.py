@@ -91,8 +91,8 @@ def test_defaults():
     assert isinstance(policy.tags, types.MappingProxyType)
 
 
-def test_empty_file_and_empty_sections_mean_defaults(tmp_path):
-    assert load_policy(write(tmp_path, "")).pool == PoolSettings()
+def test_empty_sections_mean_defaults(tmp_path):
+    assert load_policy(write(tmp_path, "{}")).pool == PoolSettings()
     policy = load_policy(write(tmp_path, "pool:\nscheduler:\ntags:\n  input:\n", "e.yaml"))
     assert policy.tags["input"] == TagAdvice() and policy.name == "e"
 
@@ -166,11 +166,12 @@ def test_budget_bytes():
     ("tags: {parameter: {preferred_location: GPU}}", ["allowed: gpu, cpu, none", "got 'GPU'"]),
     ("tags: {parameter: [gpu]}", ["tags.parameter: expected a mapping", "preferred_location"]),
     ("pool: {arena_size: lots}", ["pool.arena_size: unparsable size", "got 'lots'"]),
-    ("pool: {arena_size: 0}", ["pool.arena_size: must be at least 1 B", "got 0"]),
-    ("pool: {reserve_margin: -1}", ["pool.reserve_margin: size must be >= 0", "got -1"]),
+    ("pool: {arena_size: 0}", ["pool.arena_size: size must be > 0", "got 0", "allowed: an integer number of bytes > 0"]),
+    ("pool: {reserve_margin: -1}", ["pool.reserve_margin: negative size", "got -1", "bytes >= 0"]),
     ("pool: {max_reserved: 20 GB}", ["pool.max_reserved", "write 20GiB (2**30)",
                                      "allowed: auto, or a size"]),
-    ("pool: {max_reserved: 1MiB}", ["pool.max_reserved: must hold at least one chunk (2097152"]),
+    ("pool: {max_reserved: 1MiB}", ["pool.max_reserved: must hold at least one chunk (2MiB, 2097152 bytes)",
+                                    "allowed: auto, or a size >= 2MiB"]),
     ("scheduler: {schedule_window: 0}", ["scheduler.schedule_window: size must be > 0"]),
     ("scheduler: {min_swap_size: 1.5}", ["scheduler.min_swap_size", "Write the unit"]),
     ("pool: {chunk_size: 3MiB}", ["pool.chunk_size: 3145728 bytes is not a power of two",
@@ -263,8 +264,33 @@ def test_env_var_chooses_default_policy(monkeypatch, tmp_path):
 
 def test_env_var_error_is_a_policy_error(monkeypatch):
     monkeypatch.setenv("UM_POLICY", "no_such_policy")
-    with pytest.raises(PolicyError, match="no_such_policy: policy file not found"):
+    with pytest.raises(PolicyError, match="^UM_POLICY=no_such_policy: no_such_policy: policy file not found"):
         load_policy()
+
+
+def test_a_directory_is_not_a_policy_file(tmp_path):
+    with pytest.raises(PolicyError, match=f"^{tmp_path}: is a directory, not a policy file; name a .yaml file in "
+                                          "it, or a packaged policy: best, "):
+        load_policy(tmp_path)
+
+
+def test_an_empty_policy_file_is_refused(tmp_path):
+    for text in ("", "# nothing yet\n"):
+        message = error_of(tmp_path, text)
+        assert "the policy file is empty; write `{}` for every default, or name the packaged policy none" in message
+
+
+@pytest.mark.parametrize("word", ["yes", "no", "on", "Off", "YES"])
+def test_yes_and_no_are_refused_where_true_and_false_are_meant(tmp_path, word):
+    message = error_of(tmp_path, f"pool:\n  oversubscribe: {word}\n")
+    assert f"line 2, column 18: '{word}' is read as a boolean; write true or false" in message
+
+
+def test_true_and_false_and_quoted_words_still_read(tmp_path):
+    policy = load_policy(write(tmp_path, "pool: {oversubscribe: True}\ntags: {input: {read_mostly: false}}\n"))
+    assert policy.pool.oversubscribe is True
+    message = error_of(tmp_path, "tags: {input: {preferred_location: 'no'}}\n")
+    assert "preferred_location: invalid value (got 'no'; allowed: gpu, cpu, none)" in message
 
 
 def test_load_policy_passes_policies_through():
@@ -291,7 +317,7 @@ def test_fits_device(data):
 @pytest.mark.parametrize("data, fragments", [
     ({"scheduler": {"budget": "25GiB"}},
      ["scheduler.budget: larger than device memory (24.0 GiB, 25769803776 bytes)",
-      "got 26843545600"]),
+      "got '25GiB'"]),
     ({"scheduler": {"budget": "32GiB"}, "pool": {"oversubscribe": True}}, ["scheduler.budget"]),
     ({"pool": {"max_reserved": "25GiB"}},
      ["pool.max_reserved: larger than device memory (24.0 GiB", "pool.oversubscribe: true"]),

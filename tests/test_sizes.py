@@ -96,12 +96,14 @@ def test_format_size_round_trips_for_whole_units(n):
 
 def test_size_arguments_take_bytes_or_sizes_and_say_where_they_failed():
     assert size_arg("1GiB", "window", "ActivationOffload") == GiB and size_arg(0, "window", "x") == 0
-    with pytest.raises(ValueError, match=r"ActivationOffload: window must be bytes >= 0 or a size like '1GiB', got -1"):
+    with pytest.raises(ValueError, match=r"ActivationOffload: window: negative size \(got -1; allowed: an integer "
+                                         r"number of bytes >= 0, or a string like 512KiB"):
         size_arg(-1, "window", "ActivationOffload")
     with pytest.raises(PolicyError, match=r"ActivationOffload: window: .*ambiguous"):
         size_arg("1 GB", "window", "ActivationOffload")
     assert positive_size_arg("256MiB", "min_size", "um_alloc.tag") == 256 * MiB
-    with pytest.raises(ValueError, match=r"um_alloc.tag: min_size must be > 0 bytes"):
+    with pytest.raises(ValueError, match=r"um_alloc.tag: min_size: size must be > 0 \(got 0; allowed: an integer "
+                                         r"number of bytes > 0"):
         positive_size_arg(0, "min_size", "um_alloc.tag")
 
 

@@ -109,6 +109,8 @@ def test_micro_batches_give_the_full_batch_losses(exact_baseline, micro_batch, u
     (["--no-rebuild"], "--no-rebuild: applies to an activation offload: --offload activations"),
     (["--offload", "activations", "--micro-batch", "2"], "--offload activations does not combine with --micro-batch"),
     (["--offload", "activations", "--offload-window", "0"], "--offload-window must be more than 0 bytes"),
+    (["--steps", "3", "--warmup-steps", "3"], "--warmup-steps 3 leaves none of this run's 3 steps timed; allowed: 0 to 2"),
+    (["--micro-batch", "5"], "--micro-batch 5 is larger than --batch-size 4; allowed: 1 to 4, or auto"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -132,6 +134,49 @@ def test_empty_text_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run("--data", tmp_path / "empty.txt")
     assert "holds no text" in capsys.readouterr().err
+
+
+def test_warmup_defaults_to_fewer_steps_than_a_short_run(tmp_path, capsys):
+    assert run("--steps", 2)["timed_steps"] == 1                    # the default 2, lowered to 1
+    run("--steps", 2, "--checkpoint", tmp_path)
+    with pytest.raises(SystemExit):                                  # 2 steps left after step 2 of 4
+        run("--steps", 4, "--checkpoint", tmp_path, "--resume", "--warmup-steps", "2")
+    assert "--warmup-steps 2 leaves none of this run's 2 steps timed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("-1GiB", "command line: --budget: negative size (got '-1GiB'; allowed: none, a size > 0"),
+    ("16GB", "command line: --budget: unknown size unit (got '16GB'"),
+    ("1.5", "command line: --budget: fraction out of range (0, 1] (got 1.5"),
+    ("1", "command line: --budget: an absolute budget must hold at least one chunk"),
+])
+def test_bad_budget_names_the_flag_before_cuda_work(budget, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "tiny", f"--budget={budget}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "install(" not in err
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_memory_limit_below_one_chunk_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny", "--memory-limit", "1MiB"])
+    assert "command line: --memory-limit: must hold at least one chunk (2MiB, 2097152 bytes) (got '1MiB'" \
+        in capsys.readouterr().err
+    assert not torch.cuda.is_initialized()
+
+
+def test_um_without_a_gpu_names_the_flags_that_run_without_one(capsys):
+    from um_alloc.device_info import device_memory
+
+    if device_memory(0) is not None:
+        pytest.skip("a GPU is visible to NVML; this covers machines without one")
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert "no NVIDIA GPU visible" in err and "--device cpu --allocator stock" in err
+    assert not torch.cuda.is_initialized()
 
 
 @pytest.mark.parametrize("size, message", [("16GB", "--memory-limit"), ("0", "more than 0 bytes")])

@@ -12,6 +12,7 @@
 """
 from . import lms
 from .errors import PolicyError
+from .floor import BudgetBelowFloor, Floor, check_budget
 from .install import Installation, install, installation, is_installed
 from .lms import get_enabled_lms, get_limit_lms, get_size_lms, set_enabled_lms, set_limit_lms, set_size_lms
 from .planner import BlockPlanner, PlanInfeasible, plan
@@ -26,7 +27,7 @@ from .tags import retag, tag, tag_module, tag_optimizer, tag_training
 __all__ = [
     "install", "installation", "is_installed", "Installation",
     "tag", "retag", "tag_module", "tag_optimizer", "tag_training", "TAGS", "DEFAULT_TAG",
-    "spill_from", "SpillFrom", "plan", "BlockPlanner", "PlanInfeasible",
+    "spill_from", "SpillFrom", "plan", "BlockPlanner", "PlanInfeasible", "check_budget", "BudgetBelowFloor", "Floor",
     "memory_stats", "memory_summary", "block_at", "ranges_for_tag",
     "load_policy", "Policy", "PolicyError", "TagAdvice", "parse_size", "format_size",
     "ChunkPool", "BlockInfo",

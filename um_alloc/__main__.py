@@ -10,10 +10,11 @@ import argparse
 import sys
 from typing import Sequence
 
+from . import arguments
 from .device_info import device_memory, unified_memory_capabilities
-from .errors import PolicyError
+from .errors import At, PolicyError
 from .policy import Policy, TagAdvice, load_policy, validate_for_device
-from .sizes import format_size, parse_size
+from .sizes import format_size, size_text
 
 
 def describe(policy: Policy) -> str:
@@ -53,7 +54,7 @@ def _advice_text(advice: TagAdvice) -> str:
 def _device_total(args: argparse.Namespace) -> tuple[int | None, str]:
     """Bytes to check budgets against: --device-memory, else NVML's device 0, else none."""
     if args.device_memory is not None:
-        return args.device_memory, f"--device-memory {format_size(args.device_memory)}"
+        return args.device_memory, f"--device-memory {size_text(args.device_memory)}"
     memory = device_memory(0)
     if memory is None:
         return None, ""
@@ -94,10 +95,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size_arg(text: str) -> int:
+def _device_memory(text: str) -> int:
     try:
-        return parse_size(int(text) if text.isdigit() else text,
-                          key="--device-memory", source="command line")
+        return arguments.size(int(text) if text.isdigit() else text, At("command line", "--device-memory"),
+                              minimum=1)
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _device_index(text: str) -> int:
+    try:
+        return arguments.whole_number(int(text) if text.lstrip("-").isdigit() else text,
+                                      At("command line", "--device"))
     except PolicyError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -112,11 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "'best'). Budgets are also checked against device memory when NVML "
                     "reports a GPU or --device-memory is given.")
     check.add_argument("files", nargs="+", metavar="FILE")
-    check.add_argument("--device-memory", type=_size_arg, metavar="SIZE",
+    check.add_argument("--device-memory", type=_device_memory, metavar="SIZE",
                        help="check against a device of this size (e.g. 24GiB) instead of GPU 0")
     check.set_defaults(run=cmd_check)
     info = commands.add_parser("info", help="print the GPU's unified-memory capabilities")
-    info.add_argument("--device", type=int, default=0, metavar="N", help="CUDA device index")
+    info.add_argument("--device", type=_device_index, default=0, metavar="N", help="CUDA device index (>= 0)")
     info.set_defaults(run=cmd_info)
     return parser
 

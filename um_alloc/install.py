@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import _lib
+from . import _lib, arguments
 from .device_info import DeviceMemory, device_memory
-from .errors import PolicyError
-from .policy import Policy, load_policy, validate_for_device, with_budget
+from .errors import At, PolicyError
+from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
 from .pool import ChunkPool, tag_policy_struct
-from .sizes import format_size, parse_size
+from .sizes import format_size
 from .tag_names import TAGS
 
 NO_CAP = 2**64 - 1
@@ -53,22 +53,24 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     Args:
         policy: a policy file path, a bare name of a shipped policy ("best.yaml", "none"),
             a dict, a Policy, or None for the UM_POLICY environment variable (else none.yaml).
-        max_reserved: overrides the policy's pool.max_reserved: bytes or a size ("16GiB").
+        max_reserved: overrides the policy's pool.max_reserved: bytes or a size ("16GiB"), at
+            least one chunk. Above the device's free memory minus pool.reserve_margin only with
+            the policy's pool.oversubscribe: true.
         budget: overrides the policy's scheduler.budget (GPU residency): bytes, a size ("16GiB")
             or a fraction of device memory (0.5).
         device: the CUDA device (as CUDA numbers them) whose free memory sets the default cap.
 
     Raises:
-        PolicyError: the policy or max_reserved is invalid (before any CUDA work).
+        PolicyError: the policy or an argument is invalid; each is checked before NVML or CUDA
+            is asked anything, and the message names the argument, the value and what is allowed.
         RuntimeError: CUDA is already initialised, no GPU is visible, or um_alloc is already
             installed with different settings.
     """
     global _installation, _allocator
-    chosen = load_policy(policy)
-    if budget is not None:
-        chosen = with_budget(chosen, budget, source="install(budget=...)")
+    chosen = policy_with_arguments(policy, max_reserved, budget)
+    arguments.whole_number(device, At("install()", "device"))
     if _installation is not None:
-        if _installation.policy == chosen and max_reserved is None:
+        if _installation.policy == chosen and _installation.device == device:
             return _installation
         raise RuntimeError(
             f"um_alloc is already installed with policy {_installation.policy.name!r} "
@@ -78,12 +80,23 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     _require_cuda_untouched()
     memory = _device_memory_or_raise(device)
     validate_for_device(chosen, memory.total_bytes)
-    made = Installation(chosen, device, reserve_cap(chosen, max_reserved, memory), memory.total_bytes,
+    made = Installation(chosen, device, reserve_cap(chosen, memory), memory.total_bytes,
                         memory.free_bytes, memory.used_bytes)
     _configure_core(made)
     _allocator = _swap_torch_allocator()
     _installation = made
     return _installation
+
+
+def policy_with_arguments(policy, max_reserved, budget) -> Policy:
+    """The policy install() is given, with its max_reserved and budget arguments in place, each
+    checked as the policy key it replaces."""
+    chosen = load_policy(policy)
+    if max_reserved is not None:
+        chosen = with_max_reserved(chosen, max_reserved, source="install()")
+    if budget is not None:
+        chosen = with_budget(chosen, budget, source="install()")
+    return chosen
 
 
 def set_budget(budget: int, min_swap_size: int, enabled: bool) -> None:
@@ -106,15 +119,15 @@ def installation() -> Installation:
     return _installation
 
 
-def reserve_cap(policy: Policy, override: int | str | None, memory: DeviceMemory) -> int:
-    """Bytes of managed memory the pool may reserve in total.
+def reserve_cap(policy: Policy, memory: DeviceMemory) -> int:
+    """Bytes of managed memory the pool may reserve in total: the policy's pool.max_reserved
+    (install()'s argument in its place), or auto.
 
     On a shared GPU the cap never exceeds the device's free memory minus pool.reserve_margin:
-    managed memory beyond what the card has free can hang the GPU for everyone on it.
+    managed memory beyond what the card has free can hang the GPU for everyone on it. Only
+    pool.oversubscribe: true lifts it.
     """
-    if isinstance(override, str):
-        override = parse_size(override, key="max_reserved", source="install()")
-    requested = override if override is not None else policy.pool.max_reserved
+    requested = policy.pool.max_reserved
     if policy.pool.oversubscribe:
         return requested if requested is not None else NO_CAP
     margin = policy.pool.reserve_margin
@@ -145,7 +158,8 @@ def _device_memory_or_raise(device: int) -> DeviceMemory:
     memory = device_memory(device)
     if memory is None:
         raise RuntimeError(f"um_alloc: no NVIDIA GPU {device} visible (NVML found none); um_alloc "
-                           "needs a CUDA device. Run with --allocator stock on machines without one.")
+                           "manages CUDA memory and needs a CUDA device. Where there is none, leave "
+                           "um_alloc.install() out: PyTorch's own allocator serves the CPU.")
     return memory
 
 

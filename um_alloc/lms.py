@@ -14,9 +14,11 @@ an allocation would pass it, and page faults bring them back when needed.
 """
 from __future__ import annotations
 
+from . import arguments
+from .errors import At
 from .install import installation, set_budget
 from .pool import ChunkPool
-from .sizes import size_arg
+from .sizes import format_size, size_text
 
 __all__ = ["set_enabled_lms", "get_enabled_lms", "set_limit_lms", "get_limit_lms", "set_size_lms",
            "get_size_lms"]
@@ -33,9 +35,10 @@ def _settings() -> tuple[int, int, bool]:
 
 
 def set_enabled_lms(enable: bool) -> None:
-    """Turns budget enforcement on or off without forgetting the limit."""
+    """Turns budget enforcement on or off without forgetting the limit. `enable`: True or False."""
+    enable = arguments.flag(enable, At("set_enabled_lms()", "enable"))
     limit, size, _ = _settings()
-    set_budget(limit, size, bool(enable))
+    set_budget(limit, size, enable)
 
 
 def get_enabled_lms() -> bool:
@@ -43,11 +46,13 @@ def get_enabled_lms() -> bool:
 
 
 def set_limit_lms(limit: int | str) -> None:
-    """The GPU residency budget in bytes (or '10GiB'); 0 removes it."""
-    budget = size_arg(limit, "limit", "um_alloc.lms")
+    """The GPU residency budget in bytes (or '10GiB'), at most the device's memory; 0 removes it."""
+    at = At("set_limit_lms()", "limit")
+    budget = arguments.size(limit, at)
     total = installation().device_total
     if budget > total:
-        raise ValueError(f"limit {budget} bytes is larger than the device's {total} bytes")
+        raise at.error(f"larger than the device's memory ({format_size(total)}, {total} bytes)",
+                       allowed=f"0 (no budget) to {size_text(total)}", received=limit)
     _, size, enabled = _settings()
     set_budget(budget, size, enabled)
 
@@ -58,8 +63,9 @@ def get_limit_lms() -> int:
 
 def set_size_lms(size: int | str) -> None:
     """Allocations smaller than `size` bytes (or '1MiB') are never swapped out."""
+    smallest = arguments.size(size, At("set_size_lms()", "size"))
     limit, _, enabled = _settings()
-    set_budget(limit, size_arg(size, "size", "um_alloc.lms"), enabled)
+    set_budget(limit, smallest, enabled)
 
 
 def get_size_lms() -> int:

@@ -39,7 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import arguments
+from .errors import At
 from .install import is_installed
+from .tag_names import TAGS
 from .tags import retag
 from .tensor_trees import map_tensors, tensor_leaves, tensors
 
@@ -54,10 +57,8 @@ CountFn = Callable[[Batch], "int | torch.Tensor"]
 
 # --- batch structure ---------------------------------------------------------------------------
 
-def _check_size(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+def _check_size(value: object, name: str, where: str = "micro-batch streaming") -> int:
+    return arguments.whole_number(value, At(where, name), minimum=1)
 
 
 def batch_size_of(batch: Batch) -> int:
@@ -228,6 +229,42 @@ class _CopyStream:
         return moved
 
 
+def _check_streamer_arguments(model, optimizer, loss_fn, micro_batch_size, count_fn, autocast_dtype,
+                              max_micro_batch, max_grad_norm, input_tag) -> None:
+    """MicroBatchStreamer's arguments, each refused with what it allows before any work."""
+    at = At("MicroBatchStreamer", "").child
+    if not isinstance(model, nn.Module):
+        raise at("model").error("not a torch.nn.Module", received=model)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise at("optimizer").error("not a torch.optim.Optimizer", allowed="an optimizer, or None", received=optimizer)
+    arguments.function(loss_fn, at("loss_fn"))
+    arguments.function(count_fn, at("count_fn"), optional=True)
+    if micro_batch_size != "auto":
+        if isinstance(micro_batch_size, str):
+            raise at("micro_batch_size").error("invalid value", allowed="auto, or an integer >= 1",
+                                               received=micro_batch_size)
+        _check_size(micro_batch_size, "micro_batch_size", "MicroBatchStreamer")
+    if max_micro_batch is not None:
+        _check_size(max_micro_batch, "max_micro_batch", "MicroBatchStreamer")
+    if max_grad_norm is not None:
+        arguments.number_in(max_grad_norm, at("max_grad_norm"), 0, math.inf)
+    if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+        raise at("autocast_dtype").error("not a torch.dtype", allowed="None, torch.bfloat16, torch.float16",
+                                         received=autocast_dtype)
+    if input_tag is not None:
+        arguments.one_of(input_tag, at("input_tag"), TAGS)
+
+
+def _streamer_device(device, model: nn.Module) -> torch.device:
+    if device is None:
+        return next(model.parameters()).device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise At("MicroBatchStreamer", "device").error("not a device", allowed="cuda, cuda:N, cpu, or None",
+                                                       received=device) from None
+
+
 class MicroBatchStreamer:
     """Trains on mini-batches by streaming micro-batches through the device.
 
@@ -254,13 +291,11 @@ class MicroBatchStreamer:
                  count_fn: CountFn | None = None, scaler: torch.amp.GradScaler | None = None,
                  autocast_dtype: torch.dtype | None = None, max_micro_batch: int | None = None,
                  max_grad_norm: float | None = None, input_tag: str | None = "input"):
-        if micro_batch_size != "auto":
-            _check_size(micro_batch_size, "micro_batch_size (or 'auto')")
-        if max_micro_batch is not None:
-            _check_size(max_micro_batch, "max_micro_batch")
+        _check_streamer_arguments(model, optimizer, loss_fn, micro_batch_size, count_fn, autocast_dtype,
+                                  max_micro_batch, max_grad_norm, input_tag)
         self.model, self.optimizer, self.loss_fn, self.count_fn = model, optimizer, loss_fn, count_fn
         self.micro_batch_size = micro_batch_size
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.device = _streamer_device(device, model)
         self.scaler, self.autocast_dtype = scaler, autocast_dtype
         self.max_micro_batch, self.max_grad_norm, self.input_tag = max_micro_batch, max_grad_norm, input_tag
         self.last_micro_batch_size: int | None = None  # size used by the latest mini-batch

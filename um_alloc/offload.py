@@ -46,13 +46,14 @@ from typing import Iterator
 
 import torch
 
-from . import _lib
+from . import _lib, arguments
 from .byte_views import byte_view, storage_bytes
+from .errors import At
 from .install import installation, is_installed
 from .policy import host_mapped
 from .pool import ChunkPool
 from .rebuild import Recipe, RootRecorder, dense
-from .sizes import size_arg
+from .sizes import size_text
 from .staging import DeviceStage
 from .stats import memory_stats
 
@@ -136,17 +137,12 @@ class ActivationOffload:
                  min_bytes: int | str = MiB, margin: int | str = "512MiB", calibration_steps: int = 2,
                  device: torch.device | str | None = None, peak_fn=None, rebuild: bool = True,
                  staging: bool | None = None, host_reserve: int | str = "8GiB"):
-        self.budget = None if budget is None else _size(budget, "budget")
-        self.window, self.min_bytes = _size(window, "window"), _size(min_bytes, "min_bytes")
-        self.margin = _size(margin, "margin")
-        self.host_reserve = _size(host_reserve, "host_reserve")
+        self._take_sizes(budget, window, min_bytes, margin, host_reserve)
+        self.calibration_steps = arguments.whole_number(calibration_steps, _at("calibration_steps"), minimum=1)
+        rebuild = arguments.flag(rebuild, _at("rebuild"))
+        staging = None if staging is None else arguments.flag(staging, _at("staging"))
+        peak_fn = arguments.function(peak_fn, _at("peak_fn"), optional=True)
         self._unchecked = 0  # bytes copied out since host memory was last looked at
-        if self.budget is not None and self.budget <= self.margin:
-            raise ValueError(f"ActivationOffload: budget {self.budget} bytes must be larger than the "
-                             f"margin {self.margin} bytes")
-        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or calibration_steps < 1:
-            raise ValueError(f"ActivationOffload: calibration_steps must be an int >= 1, got {calibration_steps!r}")
-        self.calibration_steps = calibration_steps
         self.device = _device(device)
         self._cuda = self.device.type == "cuda"
         self._stages: tuple[DeviceStage, DeviceStage] | None = None  # (out, in)
@@ -170,6 +166,17 @@ class ActivationOffload:
         self._kept: frozenset[int] | None = None     # save indices that stay (None: offload all)
         self.stats = OffloadStats()
         self._reset_step()
+
+    def _take_sizes(self, budget, window, min_bytes, margin, host_reserve) -> None:
+        """The size arguments, checked before anything touches CUDA."""
+        self.budget = arguments.optional_size(budget, _at("budget"), minimum=1)
+        self.window, self.min_bytes = arguments.size(window, _at("window")), arguments.size(min_bytes, _at("min_bytes"))
+        self.margin = arguments.size(margin, _at("margin"))
+        self.host_reserve = arguments.size(host_reserve, _at("host_reserve"))
+        if self.budget is not None and self.budget <= self.margin:
+            raise _at("budget").error(f"must be larger than the margin ({size_text(self.margin)}) kept under it",
+                                      allowed=f"more than {size_text(self.margin)}, or a smaller margin",
+                                      received=budget)
 
     # -- per step --
 
@@ -595,19 +602,24 @@ def from_policy(**overrides) -> ActivationOffload | None:
     return ActivationOffload(**{**settings, **overrides})
 
 
-def _size(value: int | str, what: str) -> int:
-    return size_arg(value, what, "ActivationOffload")
+def _at(argument: str) -> At:
+    return At("ActivationOffload", argument)
 
 
 def _device(device: torch.device | str | None) -> torch.device:
+    """The device argument, checked before CUDA is asked for the current device."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"ActivationOffload: device must be cuda, cuda:N or cpu, got {device}")
-    return device
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        chosen = None
+    if chosen is None or chosen.type not in ("cuda", "cpu"):
+        raise _at("device").error("not a CUDA device or the CPU", allowed="cuda, cuda:N, cpu, or None",
+                                  received=device)
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    return chosen
 
 
 def _default_peak_fn(device: torch.device):

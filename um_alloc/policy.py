@@ -22,14 +22,16 @@ from typing import Any, Callable, Hashable, Mapping
 
 import yaml
 
+from . import arguments
 from .errors import At, PolicyError
 # The sizes are also reached as um_alloc.policy.parse_size etc.; they are defined in sizes.py.
-from .sizes import GiB, KiB, MiB, TiB, format_size, parse_size, parse_size_at, size_arg
+from .sizes import GiB, KiB, MiB, TiB, format_size, parse_size, parse_size_at, size_arg, size_text
 from .tag_names import TAGS
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "PolicyError", "TagAdvice", "PoolSettings",
            "SchedulerSettings", "Policy", "parse_size", "size_arg", "format_size", "packaged_policies_dir",
-           "resolve_policy_path", "load_policy", "policy_from_dict", "validate_for_device"]
+           "resolve_policy_path", "load_policy", "policy_from_dict", "validate_for_device", "with_budget",
+           "with_max_reserved"]
 
 LOCATIONS = ("gpu", "cpu", "none")
 # none: as autograd keeps them; offload: what does not fit moves to host memory (um_alloc.offload);
@@ -109,20 +111,14 @@ class Policy:
 Converter = Callable[[Any, At], Any]
 
 
-def _bool(value: Any, at: At) -> bool:
-    if isinstance(value, bool):
-        return value
-    hint = "Write true or false without quotes." if isinstance(value, str) else None
-    raise at.error("expected a boolean", allowed="true, false", received=value, hint=hint)
+_bool = arguments.flag
 
 
 def _choice(choices: tuple[str, ...], null: str | None = None) -> Converter:
     def convert(value: Any, at: At) -> str:
         if value is None and null is not None:   # YAML `~` or an empty value
             return null
-        if isinstance(value, str) and value in choices:
-            return value
-        raise at.error("invalid value", allowed=", ".join(choices), received=value)
+        return arguments.one_of(value, at, choices)
     return convert
 
 
@@ -140,13 +136,7 @@ def _accessors(value: Any, at: At) -> tuple[str, ...]:
 
 
 def _size(minimum: int = 0) -> Converter:
-    def convert(value: Any, at: At) -> int:
-        n = parse_size_at(value, at)
-        if n < minimum:
-            raise at.error(f"must be at least {format_size(minimum)} ({minimum} bytes)",
-                           received=value)
-        return n
-    return convert
+    return lambda value, at: arguments.size(value, at, minimum=minimum)
 
 
 def _size_or(word: str) -> Converter:
@@ -219,9 +209,7 @@ def policy_from_dict(data: Mapping | None, *, source: str, name: str) -> Policy:
             f"must be a multiple of chunk_size ({pool.chunk_size} bytes = "
             f"{format_size(pool.chunk_size)}); it is "
             f"{pool.arena_size % pool.chunk_size} bytes over", received=pool.arena_size)
-    if pool.max_reserved is not None and pool.max_reserved < pool.chunk_size:
-        raise at.child("pool.max_reserved").error(
-            f"must hold at least one chunk ({pool.chunk_size} bytes)", received=pool.max_reserved)
+    _check_cap_holds_a_chunk(pool.max_reserved, pool.chunk_size, at.child("pool.max_reserved"))
     scheduler = _strategy(_section(SchedulerSettings, top.get("scheduler"), at.child("scheduler")),
                           at.child("scheduler"))
     _check_budget_holds_a_chunk(scheduler.budget, pool.chunk_size, at.child("scheduler.budget"))
@@ -253,7 +241,7 @@ def _strategy(scheduler: SchedulerSettings, at: At) -> SchedulerSettings:
 
 
 def _mapping(value: Any, at: At, *, what: str) -> Mapping:
-    if value is None:                 # an empty file or `pool:` with nothing under it
+    if value is None:                 # `pool:` with nothing under it (an empty file is refused before)
         return {}
     if not isinstance(value, Mapping):
         raise at.error(f"expected a mapping ({what})", received=value)
@@ -294,12 +282,29 @@ def host_mapped(advice: TagAdvice) -> bool:
     return advice.preferred_location == "cpu" and "gpu" in advice.accessed_by
 
 
-def with_budget(policy: Policy, budget: Any, *, source: str) -> Policy:
-    """The policy with scheduler.budget replaced by `budget`, checked as the key would be."""
-    at = At(source, "budget")
+def with_budget(policy: Policy, budget: Any, *, source: str, key: str = "budget") -> Policy:
+    """The policy with scheduler.budget replaced by `budget`, checked as the key would be; errors
+    name `source` and `key` (an argument or a command-line flag)."""
+    at = At(source, key)
     value = _budget(budget, at)
     _check_budget_holds_a_chunk(value, policy.pool.chunk_size, at)
     return replace(policy, scheduler=replace(policy.scheduler, budget=value))
+
+
+def with_max_reserved(policy: Policy, max_reserved: Any, *, source: str, key: str = "max_reserved") -> Policy:
+    """The policy with pool.max_reserved replaced by `max_reserved`, checked as the key would be."""
+    at = At(source, key)
+    value = _size_or("auto")(max_reserved, at)
+    _check_cap_holds_a_chunk(value, policy.pool.chunk_size, at, written=max_reserved)
+    return replace(policy, pool=replace(policy.pool, max_reserved=value))
+
+
+def _check_cap_holds_a_chunk(cap: int | None, chunk_size: int, at: At, *, written: Any = None) -> None:
+    """`written`: the value as the caller wrote it, where there is one; else the cap as a size."""
+    if cap is not None and cap < chunk_size:
+        raise at.error(f"must hold at least one chunk ({size_text(chunk_size)}, {chunk_size} bytes)",
+                       allowed=f"auto, or a size >= {size_text(chunk_size)}",
+                       received=_written(cap) if written is None else written)
 
 
 def _check_budget_holds_a_chunk(budget: int | float | None, chunk_size: int, at: At) -> None:
@@ -318,17 +323,22 @@ def validate_for_device(policy: Policy, device_total_bytes: int) -> None:
     budget = policy.budget_bytes(total)
     if budget is not None and budget > total:
         raise at.child("scheduler.budget").error(
-            f"larger than {device}", received=policy.scheduler.budget,
+            f"larger than {device}", received=_written(policy.scheduler.budget),
             hint="A budget emulates a smaller GPU; it cannot exceed the real one.")
     pool = policy.pool
     if pool.oversubscribe:
         return
     if pool.max_reserved is not None and pool.max_reserved > total:
         raise at.child("pool.max_reserved").error(
-            f"larger than {device} without pool.oversubscribe: true", received=pool.max_reserved)
+            f"larger than {device} without pool.oversubscribe: true", received=_written(pool.max_reserved))
     if pool.max_reserved is None and pool.reserve_margin >= total:
         raise at.child("pool.reserve_margin").error(
-            f"leaves nothing of {device} for max_reserved: auto", received=pool.reserve_margin)
+            f"leaves nothing of {device} for max_reserved: auto", received=_written(pool.reserve_margin))
+
+
+def _written(value: int | float) -> str | float:
+    """A size as the policy may have written it (32GiB, not 34359738368); a fraction as it is."""
+    return size_text(value) if isinstance(value, int) else value
 
 
 # ---------------------------------------------------------------- files and names
@@ -356,6 +366,9 @@ def resolve_policy_path(name_or_path: str | os.PathLike) -> Path:
     path = Path(os.fspath(name_or_path)).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        raise PolicyError(f"{path}: is a directory, not a policy file; name a .yaml file in it, or a "
+                          f"packaged policy: {', '.join(_packaged_names()) or '(none found)'}", source=str(path))
     if path.parent == Path(".") and path.suffix in ("", ".yaml", ".yml"):
         candidate = packaged_policies_dir() / f"{path.stem}.yaml"
         if candidate.is_file():
@@ -370,18 +383,48 @@ def load_policy(source: Any = None) -> Policy:
     if isinstance(source, Policy):
         return source
     if source is None:
-        source = os.environ.get(ENV_VAR) or DEFAULT_POLICY
+        return _policy_from_environment()
     if isinstance(source, Mapping):
         return policy_from_dict(source, source="<dict>", name="<dict>")
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_policy: expected a path, name, mapping or Policy, "
-                        f"got {type(source).__name__}")
+                        f"got {type(source).__name__} {source!r}")
     path = resolve_policy_path(source)
-    return policy_from_dict(_read_yaml(path), source=str(path), name=path.stem)
+    return policy_from_dict(_read_policy_file(path), source=str(path), name=path.stem)
+
+
+def _policy_from_environment() -> Policy:
+    """UM_POLICY's policy, else the default; a mistake there says it came from UM_POLICY."""
+    named = os.environ.get(ENV_VAR)
+    if not named:
+        return load_policy(DEFAULT_POLICY)
+    try:
+        return load_policy(named)
+    except PolicyError as error:
+        raise PolicyError(f"{ENV_VAR}={named}: {error}", source=error.source, key=error.key) from error
+
+
+def _read_policy_file(path: Path) -> Any:
+    data = _read_yaml(path)
+    if data is None:
+        # An empty file is more often a mistake (a wrong or truncated file) than a wish for the
+        # defaults, and those have a name.
+        raise PolicyError(f"{path}: the policy file is empty; write `{{}}` for every default, or name "
+                          f"the packaged policy {DEFAULT_POLICY}", source=str(path))
+    return data
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys: silently keeping the last one hides mistakes."""
+    """SafeLoader that refuses duplicate keys (silently keeping the last one hides mistakes) and
+    booleans written other than true or false: YAML 1.1 reads an unquoted yes, no, on or off as
+    one, which in a value such as `preferred_location: no` is never what was meant."""
+
+    def construct_yaml_bool(self, node):
+        if node.value.lower() not in ("true", "false"):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} is read as a boolean; write true or false (or quote it "
+                "for a string)", node.start_mark)
+        return super().construct_yaml_bool(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -396,6 +439,9 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_StrictLoader.add_constructor("tag:yaml.org,2002:bool", _StrictLoader.construct_yaml_bool)
+
+
 def _read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
@@ -407,5 +453,6 @@ def _read_yaml(path: Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise PolicyError(f"{path}: {where}YAML syntax error: {problem}",
-                          source=str(path)) from exc
+        # A constructor error (a duplicate key, yes for true) is well-formed YAML a policy refuses.
+        kind = "" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error: "
+        raise PolicyError(f"{path}: {where}{kind}{problem}", source=str(path)) from exc

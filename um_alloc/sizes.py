@@ -13,11 +13,11 @@ from typing import Any
 from .errors import At
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "SIZE_ALLOWED", "parse_size", "parse_size_at", "size_arg",
-           "positive_size_arg", "format_size"]
+           "positive_size_arg", "size_at_least", "format_size", "size_text"]
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-SIZE_ALLOWED = ("an integer number of bytes >= 0, or a string like 512KiB, 2MiB, 1.5GiB "
-                "(units B, KiB, MiB, GiB, TiB)")
+_SIZE_FORMS = "a string like 512KiB, 2MiB, 1.5GiB (units B, KiB, MiB, GiB, TiB)"
+SIZE_ALLOWED = f"an integer number of bytes >= 0, or {_SIZE_FORMS}"
 _UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
 _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
@@ -39,12 +39,12 @@ def parse_size_at(value: Any, at: At, allowed: str = SIZE_ALLOWED) -> int:
                        received=value, hint=f"Write the unit, e.g. '{value:g}GiB'.")
     if isinstance(value, int):
         if value < 0:
-            raise at.error("size must be >= 0", allowed=allowed, received=value)
+            raise at.error("negative size", allowed=allowed, received=value)
         return value
     match = _SIZE_RE.fullmatch(value)
     if not match:
         negative = value.strip().startswith("-")
-        raise at.error("size must be >= 0" if negative else "unparsable size",
+        raise at.error("negative size" if negative else "unparsable size",
                        allowed=allowed, received=value)
     number, unit = match.groups()
     if unit.lower() not in _UNITS:
@@ -64,21 +64,32 @@ def _unit_hint(value: str, number: str, unit: str) -> str | None:
     return None
 
 
+def size_at_least(value: Any, at: At, minimum: int, allowed: str | None = None) -> int:
+    """parse_size_at, and at least `minimum` bytes; the allowed text says so unless given."""
+    allowed = allowed or _allowed_from(minimum)
+    size = parse_size_at(value, at, allowed)
+    if size < minimum:
+        problem = "size must be > 0" if minimum == 1 else f"must be at least {size_text(minimum)}"
+        raise at.error(problem, allowed=allowed, received=value)
+    return size
+
+
+def _allowed_from(minimum: int) -> str:
+    if minimum <= 0:
+        return SIZE_ALLOWED
+    least = "> 0" if minimum == 1 else f">= {minimum} ({size_text(minimum)})"
+    return f"an integer number of bytes {least}, or {_SIZE_FORMS}"
+
+
 def size_arg(value: Any, what: str, source: str) -> int:
-    """A size given to a function: an int >= 0 (bytes) or a string like "1GiB". ValueError otherwise."""
-    if isinstance(value, str):
-        return parse_size(value, key=what, source=source)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{source}: {what} must be bytes >= 0 or a size like '1GiB', got {value!r}")
-    return value
+    """A size given to a function: bytes >= 0 or a string like "1GiB". PolicyError (a ValueError)
+    naming `source` and the argument `what` otherwise."""
+    return size_at_least(value, At(source, what), 0)
 
 
 def positive_size_arg(value: Any, what: str, source: str) -> int:
     """size_arg, and more than 0 bytes (a large-allocation scope's smallest size, say)."""
-    size = size_arg(value, what, source)
-    if size == 0:
-        raise ValueError(f"{source}: {what} must be > 0 bytes")
-    return size
+    return size_at_least(value, At(source, what), 1)
 
 
 def format_size(n: int) -> str:
@@ -87,3 +98,14 @@ def format_size(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def size_text(n: int) -> str:
+    """Bytes as a user writes them, exactly: 34359738368 -> "32GiB", 1610612736 -> "1.5GiB",
+    1000 -> "1000B". The largest unit in which the number has at most two decimals."""
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        hundredths, rest = divmod(n * 100, scale)
+        if abs(n) >= scale and rest == 0:
+            whole, cents = divmod(hundredths, 100)
+            return f"{whole}{f'.{cents:02d}'.rstrip('0') if cents else ''}{unit}"
+    return f"{n}B"

@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from .errors import At
 from .install import installation, is_installed
 from .policy import host_mapped
 from .sizes import format_size, positive_size_arg
@@ -86,8 +87,13 @@ class SpillFrom:
 def spill_from(module: torch.nn.Module, min_size: int | str | None = None) -> SpillFrom:
     """Puts the large temporaries of `module`'s forward tail and backward head in host memory the
     GPU maps; see the module docstring. min_size defaults to the installed policy's
-    scheduler.spill_min_size. Raises ValueError when um_alloc is not installed, when no size is
+    scheduler.spill_min_size. Raises ValueError (PolicyError for the arguments) when `module` is
+    not a module or `min_size` not a size > 0, when um_alloc is not installed, when no size is
     given either way, or when the policy does not place the spill tag in host memory."""
+    if not isinstance(module, torch.nn.Module):
+        raise At("um_alloc.spill_from", "module").error("not a torch.nn.Module", received=module)
+    if min_size is not None:
+        positive_size_arg(min_size, "min_size", "um_alloc.spill_from")
     if not is_installed():
         raise ValueError("um_alloc.spill_from: um_alloc is not installed (call um_alloc.install first); "
                          "without it nothing is spilled")

@@ -11,7 +11,8 @@ from typing import Any, Iterator
 import torch
 
 from . import _lib
-from .install import installation
+from .floor import check_budget
+from .install import installation, is_installed
 from .pool import ChunkPool
 from .sizes import positive_size_arg
 from .tag_names import DEFAULT_TAG, TAGS, tag_index
@@ -123,5 +124,11 @@ def _state_count(optimizer) -> int:
 
 
 def tag_training(model, optimizer) -> TrainingTags:
-    """The common case: tags parameters, gradients and optimizer state, now and as they appear."""
+    """The common case: tags parameters, gradients and optimizer state, now and as they appear.
+
+    Under a hard budget it first refuses one below what stays on the GPU all step (parameters,
+    gradients, optimizer state not in host memory): um_alloc.floor.BudgetBelowFloor, with the
+    figures, instead of an out-of-memory error in the first step."""
+    if is_installed():
+        check_budget(model, optimizer)
     return TrainingTags(model, optimizer)

@@ -32,7 +32,9 @@ import torch.nn as nn
 
 from ..install import installation, is_installed
 from ..offload import STAGE_BYTES
-from ..sizes import format_size, size_arg
+from .. import arguments
+from ..errors import At
+from ..sizes import format_size
 from .blocks import Unit, find_units
 from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict, evaluate, make_plan
 from .record import MemoryProbe, StepRecorder, link_rate
@@ -89,14 +91,16 @@ class BlockPlanner:
                  block_classes: list[str] | None = None, margin: int | str = "512MiB",
                  window: int | str = "512MiB", hide_fraction: float = 0.7,
                  decisions: list[str] | None = None, lean_loss: bool = True):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"BlockPlanner: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        if not 0 < hide_fraction <= 1:
-            raise ValueError(f"BlockPlanner: hide_fraction must be in (0, 1], got {hide_fraction!r}")
+        if not isinstance(model, nn.Module):
+            raise _at("model").error("not a torch.nn.Module", received=model)
+        self.strategy = arguments.one_of(strategy, _at("strategy"), STRATEGIES)
+        self.hide_fraction = arguments.number_in(hide_fraction, _at("hide_fraction"), 0, 1)
         self.budget = _budget(budget)
-        self.margin = size_arg(margin, "margin", "BlockPlanner")
-        self.strategy, self.hide_fraction = strategy, hide_fraction
+        self.margin = arguments.size(margin, _at("margin"))
+        window = arguments.size(window, _at("window"))
+        lean_loss = arguments.flag(lean_loss, _at("lean_loss"))
         self.allowed = _decisions(decisions)
+        _class_names(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
         if not any(u.kind == "block" for u in self.units):
             raise ValueError(f"BlockPlanner: no repeated blocks found in {type(model).__name__} (no ModuleList or "
@@ -112,7 +116,7 @@ class BlockPlanner:
         self._ooms = self._probe.out_of_memory_count()
         _no_cache(model)
         self._runtime = Runtime(model, self.units, self.device, self,
-                                window=size_arg(window, "window", "BlockPlanner"), lean_loss=lean_loss)
+                                window=window, lean_loss=lean_loss)
         self._runtime.attach()
 
     # -- the director: what each step does --
@@ -254,18 +258,32 @@ def _with_selective(cal: Calibration, selective: dict) -> Calibration:
     return replace(cal, units=units)
 
 
+def _at(argument: str) -> At:
+    return At("BlockPlanner", argument)
+
+
 def _decisions(names) -> frozenset[Decision]:
     names = DEFAULT_DECISIONS if names is None else names
     allowed = {d.value: d for d in Decision}
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise ValueError(f"BlockPlanner: decisions must be a non-empty list of {', '.join(allowed)}; got {list(names)!r}")
+    # A string is iterable too: "keep" would read as the decisions k, e, e, p.
+    if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)) or not names \
+            or any(n not in allowed for n in names):
+        raise _at("decisions").error("not a non-empty list of decisions", allowed=", ".join(allowed),
+                                     received=names)
     return frozenset(allowed[n] for n in names)
+
+
+def _class_names(names) -> None:
+    if names is None:
+        return
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise _at("block_classes").error("not a list of class names", allowed='None, or a list like ["BertLayer"]',
+                                         received=names)
 
 
 def _budget(value) -> int:
     if value is not None:
-        return size_arg(value, "budget", "BlockPlanner")
+        return arguments.size(value, _at("budget"), minimum=1)
     if is_installed() and installation().budget:
         return installation().budget
     raise ValueError("BlockPlanner: no budget: pass budget='16GiB', or install um_alloc with a policy "
