@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from tests.test_wrappers import AcceleratedOptimizer, LightningOptimizer
+from test_wrappers import AcceleratedOptimizer, LightningOptimizer
 
 transformers = pytest.importorskip("transformers")
 

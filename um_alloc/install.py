@@ -161,7 +161,7 @@ def _device_memory_or_raise(device: int) -> DeviceMemory:
     memory = device_memory(device)
     if memory is None:
         raise RuntimeError(f"um_alloc: no NVIDIA GPU {device} visible (NVML found none); um_alloc "
-                           "needs a CUDA device. Run with --allocator stock on machines without one.")
+                           "needs a CUDA device. Run without um_alloc on machines without one (bert_example: --allocator stock).")
     return memory
 
 
