@@ -1,7 +1,11 @@
-"""Command line: ``python -m um_alloc check FILE...`` and ``python -m um_alloc info``.
+"""Command line: ``python -m um_alloc check FILE...``, ``python -m um_alloc info`` and
+``python -m um_alloc run [--policy P] [--budget SIZE] [--json OUT] [--profile] script.py ARGS``
+(also ``-m module ARGS``; installed as the ``um-alloc`` command too).
 
-Exit status: 0 all good, 1 a policy failed or no GPU for ``info``, 2 usage error (argparse).
-Neither command installs the allocator or touches torch.
+Exit status: 0 all good, 1 a policy failed or no GPU for ``info``, 2 usage error (argparse);
+``run`` leaves with the script's own status (um_alloc.integrations.launcher).
+``check`` and ``info`` neither install the allocator nor touch torch; ``run`` imports it only
+once its flags are checked.
 """
 
 from __future__ import annotations
@@ -95,6 +99,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from .integrations.launcher import EXIT_USAGE, Target, launch
+
+    module, script = args.module, args.script[1:] if args.script[:1] == ["--"] else args.script
+    if module is not None and not module:
+        print("um_alloc run: error: argument -m: expected a module name", file=sys.stderr)
+        return EXIT_USAGE
+    if module is None and not script:
+        print("um_alloc run: error: give a script (run [options] script.py ARGS) or a module (-m module ARGS)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    target = (Target(None, module[0], tuple(module[1:])) if module is not None
+              else Target(script[0], None, tuple(script[1:])))
+    return launch(target, policy=args.policy, budget=args.budget, json_path=args.json, profile=args.profile)
+
+
 def _device_memory(text: str) -> int:
     try:
         return arguments.size(int(text) if text.isdigit() else text, At("command line", "--device-memory"),
@@ -127,7 +147,30 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print the GPU's unified-memory capabilities")
     info.add_argument("--device", type=_device_index, default=0, metavar="N", help="CUDA device index (>= 0)")
     info.set_defaults(run=cmd_info)
+    _add_run(commands)
     return parser
+
+
+def _add_run(commands) -> None:
+    run = commands.add_parser(
+        "run", help="run a training script under um_alloc, unchanged",
+        usage="%(prog)s [--policy P] [--budget SIZE] [--json OUT] [--profile] (script.py | -m module) ARGS...",
+        description="Install um_alloc, then run the script as `python script.py ARGS` would: its model, "
+                    "gradients and optimizer state are tagged, and under a budget its model gets the block "
+                    "planner, with no change to the script. The memory summary and the plan go to stderr at "
+                    "the end. The exit status is the script's.")
+    run.add_argument("--policy", metavar="P",
+                     help="a policy file or shipped name (default: $UM_POLICY, else planner with --budget, "
+                          "none without)")
+    run.add_argument("--budget", metavar="SIZE",
+                     help="GPU memory for the whole training: 12GiB, bytes, or a fraction of the device (0.5)")
+    run.add_argument("--json", metavar="OUT", help="write the memory statistics and the plan here at the end")
+    run.add_argument("--profile", action="store_true",
+                     help="count unified-memory faults and migrations per step (needs cupti-python)")
+    run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="module ARGS",
+                     help="run a module, as python -m does")
+    run.add_argument("script", nargs=argparse.REMAINDER, metavar="script.py ARGS", help="the script and its arguments")
+    run.set_defaults(run=cmd_run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -135,5 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.run(args)
 
 
-if __name__ == "__main__":
+def main_exit() -> None:
+    """The ``um-alloc`` console script: main() as the process's exit status."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_exit()

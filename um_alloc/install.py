@@ -14,6 +14,7 @@ import torch
 from . import _lib, arguments
 from .device_info import DeviceMemory, device_memory
 from .errors import At, PolicyError
+from .graphs import refuse_cuda_graphs
 from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
 from .pool import ChunkPool, tag_policy_struct
 from .sizes import format_size
@@ -32,6 +33,7 @@ class Installation:
     device_free_at_install: int
     device_used_at_install: int  # NVML "used" then: the base of the residency high-water mark
     budget_override: int | None = None  # bytes set since install (set_limit_lms; 0: none)
+    installed_by: str = "um_alloc.install()"  # named when a later install() asks for other settings
 
     @property
     def budget(self) -> int | None:
@@ -47,7 +49,7 @@ _allocator = None  # PyTorch keeps a raw pointer to it: hold the Python object f
 
 
 def install(policy=None, *, max_reserved: int | str | None = None, budget: int | float | str | None = None,
-            device: int = 0) -> Installation:
+            device: int = 0, installed_by: str = "um_alloc.install()") -> Installation:
     """Makes um_alloc PyTorch's CUDA allocator for this process.
 
     Args:
@@ -59,6 +61,12 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
         budget: overrides the policy's scheduler.budget (GPU residency): bytes, a size ("16GiB")
             or a fraction of device memory (0.5).
         device: the CUDA device (as CUDA numbers them) whose free memory sets the default cap.
+        installed_by: who installs (``python -m um_alloc run``, a callback), for the error a later
+            install() asking for other settings gets.
+
+    Once installed, install() with no arguments returns the installation, whatever its policy: a
+    script that calls it keeps working under ``python -m um_alloc run`` and the callbacks.
+    CUDA-graph capture is refused from then on (um_alloc.graphs says why).
 
     Raises:
         PolicyError: the policy or an argument is invalid; each is checked before NVML or CUDA
@@ -67,23 +75,27 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
             installed with different settings.
     """
     global _installation, _allocator
+    if _installation is not None and policy is None and max_reserved is None and budget is None:
+        return _installation
     chosen = policy_with_arguments(policy, max_reserved, budget)
     arguments.whole_number(device, At("install()", "device"))
     if _installation is not None:
         if _installation.policy == chosen and _installation.device == device:
             return _installation
         raise RuntimeError(
-            f"um_alloc is already installed with policy {_installation.policy.name!r} "
-            f"({_installation.policy.source}); PyTorch cannot swap allocators in a running "
-            "process. Start a new process to use another policy."
-        )
+            f"um_alloc is already installed by {_installation.installed_by} with policy "
+            f"{_installation.policy.name!r} ({_installation.policy.source}, budget "
+            f"{_budget_text(_installation.budget)}); this call asks for policy {chosen.name!r} (budget "
+            f"{_budget_text(chosen.budget_bytes(_installation.device_total))}). PyTorch cannot swap allocators "
+            "in a running process: give the settings in one place, or start a new process.")
     _require_cuda_untouched()
     memory = _device_memory_or_raise(device)
     validate_for_device(chosen, memory.total_bytes)
     made = Installation(chosen, device, reserve_cap(chosen, memory), memory.total_bytes,
-                        memory.free_bytes, memory.used_bytes)
+                        memory.free_bytes, memory.used_bytes, installed_by=installed_by)
     _configure_core(made)
     _allocator = _swap_torch_allocator()
+    refuse_cuda_graphs()
     _installation = made
     return _installation
 
@@ -97,6 +109,10 @@ def policy_with_arguments(policy, max_reserved, budget) -> Policy:
     if budget is not None:
         chosen = with_budget(chosen, budget, source="install()")
     return chosen
+
+
+def _budget_text(budget: int | None) -> str:
+    return "none" if not budget else format_size(budget)
 
 
 def set_budget(budget: int, min_swap_size: int, enabled: bool) -> None:

@@ -17,8 +17,10 @@ from .pool import ChunkPool
 from .sizes import positive_size_arg
 from .tag_names import DEFAULT_TAG, TAGS, tag_index
 from .tensor_trees import tensors
+from .wrappers import unwrap_model, unwrap_optimizer
 
-__all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training"]
+__all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training",
+           "StepTags", "TrainingTags", "optimizer_params"]
 
 
 @contextlib.contextmanager
@@ -71,48 +73,70 @@ def retag(obj: Any, name: str) -> int:
 
 
 def tag_module(module, params: str = "parameter", grads: str = "gradient") -> int:
-    """Retags a module's parameters and buffers, and their existing .grad tensors."""
+    """Retags a module's parameters and buffers, and their existing .grad tensors. `module` may be
+    wrapped (DDP, DataParallel, torch.compile: see um_alloc.wrappers)."""
+    module = unwrap_model(module)
     n = retag(list(module.parameters()) + list(module.buffers()), params)
     return n + retag([p.grad for p in module.parameters() if p.grad is not None], grads)
 
 
 def tag_optimizer(optimizer, name: str = "optimizer_state") -> int:
-    """Retags the tensors an optimizer keeps in its state (moments, step counts on the GPU)."""
+    """Retags the tensors an optimizer keeps in its state (moments, step counts on the GPU).
+    `optimizer` may be wrapped (accelerate, Lightning: anything exposing it as .optimizer)."""
+    optimizer = unwrap_optimizer(optimizer)
     return retag([v for state in optimizer.state.values() for v in state.values()], name)
 
 
-class TrainingTags:
-    """Keeps a model's gradients and an optimizer's state tagged as they are created.
+class StepTags:
+    """Keeps gradients and an optimizer's state tagged as they are created, given the optimizer's
+    step hooks: call before(optimizer) ahead of each step and after(optimizer) once it returned.
 
     Gradients appear during backward and, with zero_grad(set_to_none=True), anew every step;
-    optimizer state appears at the first step. A hook before each optimizer step retags all
-    gradients in one call. A step that may create state (the first, or one after the state grew)
-    runs under the optimizer_state tag, so the state is born with its tag and its hints: a
-    host-mapped state is then never backed by GPU memory. Later steps run under "other": their
-    temporaries (foreach intermediates) are scratch and must not be placed like state. New state
-    tensors are retagged once after the step that made them.
+    optimizer state appears at the first step. Before each step all gradients are retagged in one
+    call. A step that may create state (the first, or one after the state grew) runs under the
+    optimizer_state tag, so the state is born with its tag and its hints: a host-mapped state is
+    then never backed by GPU memory. Later steps run under "other": their temporaries (foreach
+    intermediates) are scratch and must not be placed like state. New state tensors are retagged
+    once after the step that made them.
     """
 
-    def __init__(self, model, optimizer):
-        self._params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, params):
+        self._params = [p for p in params if p.requires_grad]
         self._state_count = -1
         self._step_scope = None
-        tag_module(model)
-        self._handles = [optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_step_post_hook(self._after_step)]
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
+    def before(self, optimizer) -> None:
         retag([p.grad for p in self._params if p.grad is not None], "gradient")
         settled = self._state_count == _state_count(optimizer) > 0
         self._step_scope = tag("other" if settled else "optimizer_state")
         self._step_scope.__enter__()
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        self._step_scope.__exit__(None, None, None)
+    def after(self, optimizer) -> None:
+        if self._step_scope is not None:  # None: attached after this step's pre-hooks had run
+            self._step_scope.__exit__(None, None, None)
+            self._step_scope = None
         count = _state_count(optimizer)
         if count != self._state_count:  # new state tensors: retag once, not every step
             self._state_count = count
             tag_optimizer(optimizer)
+
+
+def optimizer_params(optimizer) -> list:
+    """The parameters an optimizer steps, in its groups' order."""
+    return [p for group in unwrap_optimizer(optimizer).param_groups for p in group["params"]]
+
+
+class TrainingTags:
+    """A model's parameters tagged now; its gradients and an optimizer's state as they appear
+    (StepTags, driven by the optimizer's own step hooks). Both may be wrapped (um_alloc.wrappers):
+    the hooks go on the inner optimizer, whose step() every wrapper's step() calls."""
+
+    def __init__(self, model, optimizer):
+        model, optimizer = unwrap_model(model), unwrap_optimizer(optimizer)
+        self._tags = StepTags(model.parameters())
+        tag_module(model)
+        self._handles = [optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._tags.before(opt)),
+                         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._tags.after(opt))]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -125,10 +149,12 @@ def _state_count(optimizer) -> int:
 
 def tag_training(model, optimizer) -> TrainingTags:
     """The common case: tags parameters, gradients and optimizer state, now and as they appear.
+    Wrapped models and optimizers are accepted (DDP, torch.compile, accelerate, Lightning).
 
     Under a hard budget it first refuses one below what stays on the GPU all step (parameters,
     gradients, optimizer state not in host memory): um_alloc.floor.BudgetBelowFloor, with the
     figures, instead of an out-of-memory error in the first step."""
+    model, optimizer = unwrap_model(model), unwrap_optimizer(optimizer)
     if is_installed():
         check_budget(model, optimizer)
     return TrainingTags(model, optimizer)

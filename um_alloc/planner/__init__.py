@@ -5,8 +5,8 @@ fastest within the budget) → replay (replay.py: module hooks carry the decisio
 units blocks.py finds; director.py ties them to a model.
 """
 from .blocks import Unit, block_modules, find_units
-from .director import STRATEGIES, BlockPlanner, plan
+from .director import STRATEGIES, BlockPlanner, plan, planner_of
 from .planning import Calibration, Decision, Plan, PlanInfeasible, Segment, UnitCost, evaluate, make_plan
 
-__all__ = ["BlockPlanner", "plan", "STRATEGIES", "Decision", "Plan", "PlanInfeasible", "Calibration",
+__all__ = ["BlockPlanner", "plan", "planner_of", "STRATEGIES", "Decision", "Plan", "PlanInfeasible", "Calibration",
            "UnitCost", "Segment", "make_plan", "evaluate", "Unit", "find_units", "block_modules"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,12 +36,13 @@ from ..offload import STAGE_BYTES
 from .. import arguments
 from ..errors import At
 from ..sizes import format_size
+from ..wrappers import unwrap_model
 from .blocks import Unit, find_units
 from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict, evaluate, make_plan
 from .record import MemoryProbe, StepRecorder, link_rate
 from .replay import Runtime, Step, StepSpec
 
-__all__ = ["BlockPlanner", "plan", "STRATEGIES"]
+__all__ = ["BlockPlanner", "plan", "planner_of", "STRATEGIES"]
 
 log = logging.getLogger("um_alloc.planner")
 
@@ -49,6 +51,7 @@ STRATEGIES = ("auto", "checkpoint")
 DEFAULT_DECISIONS = ("keep", "move", "recompute", "recompute_moved")  # auto: this planner; checkpoint: every block recomputed
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
 _KEEP_STARTS = 64                    # step start events kept for the measured step time
+_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -66,7 +69,8 @@ class BlockPlanner:
     in the least predicted step time. See the module docstring.
 
     Args:
-        model: the nn.Module to train; its repeated blocks are found by um_alloc.planner.blocks.
+        model: the nn.Module to train, or a wrapper of it (DDP, torch.compile: um_alloc.wrappers);
+            its repeated blocks are found by um_alloc.planner.blocks.
         budget: GPU memory for the whole training (bytes or "16GiB"); default: the installed
             policy's scheduler.budget.
         strategy: "auto" (plan per block) or "checkpoint" (recompute every block: an ablation).
@@ -95,6 +99,7 @@ class BlockPlanner:
             raise _at("model").error("not a torch.nn.Module", received=model)
         self.strategy = arguments.one_of(strategy, _at("strategy"), STRATEGIES)
         self.hide_fraction = arguments.number_in(hide_fraction, _at("hide_fraction"), 0, 1)
+        model = unwrap_model(model)
         self.budget = _budget(budget)
         self.margin = arguments.size(margin, _at("margin"))
         window = arguments.size(window, _at("window"))
@@ -118,6 +123,7 @@ class BlockPlanner:
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss)
         self._runtime.attach()
+        _ATTACHED[model] = self
 
     # -- the director: what each step does --
 
@@ -237,6 +243,13 @@ class BlockPlanner:
     def remove(self) -> None:
         """Detaches from the model: its units run as they did before."""
         self._runtime.detach()
+        if _ATTACHED.get(self._runtime.model) is self:
+            del _ATTACHED[self._runtime.model]
+
+    def begin_forward(self, args: tuple, kwargs: dict) -> None:
+        """Begins a step for the model's forward already under way. For a planner attached from
+        inside that forward's global hooks (um_alloc run's), whose own hooks run from the next call."""
+        self._runtime._begin(self._runtime.model, args, kwargs)
 
     def _note_start(self, current: Plan) -> None:
         if self.device.type != "cuda":
@@ -249,6 +262,11 @@ class BlockPlanner:
 def plan(model: nn.Module, budget: int | str | None = None, **options) -> BlockPlanner:
     """Attaches a BlockPlanner to `model` (see BlockPlanner for the options); returns it."""
     return BlockPlanner(model, budget, **options)
+
+
+def planner_of(model: nn.Module) -> BlockPlanner | None:
+    """The planner attached to `model` (or to what it wraps), or None."""
+    return _ATTACHED.get(unwrap_model(model))
 
 
 def _with_selective(cal: Calibration, selective: dict) -> Calibration:

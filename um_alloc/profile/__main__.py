@@ -35,14 +35,15 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _mark_on_optimizer_steps(counters: UMCounters):
+def mark_on_optimizer_steps(counters: UMCounters):
+    """A step mark after every optimizer.step() of the process (a global hook); returns its handle."""
     return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: counters.mark_step())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     counters = UMCounters(args.device).start()
-    hook = None if args.no_step_marks else _mark_on_optimizer_steps(counters)
+    hook = None if args.no_step_marks else mark_on_optimizer_steps(counters)
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, str(Path(args.script).resolve().parent))  # as `python script.py` would
     code = 0
@@ -54,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         if hook is not None:
             hook.remove()
         counters.stop()
-        _report(counters, args.json)
+        report(counters, args.json)
     return code
 
 
-def _report(counters: UMCounters, json_path: str | None) -> None:
+def report(counters: UMCounters, json_path: str | None) -> None:
+    """The counts to stderr; with `json_path`, totals and per-step counts there."""
     summary = counters.summary()
     steps = summary["per_step"]
     print(f"\num_alloc.profile: {len(steps)} marked steps", file=sys.stderr)
