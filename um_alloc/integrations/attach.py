@@ -58,6 +58,14 @@ def install_before_cuda(policy: Policy, *, device: int, installed_by: str, too_l
     return install(policy, device=device, installed_by=installed_by)
 
 
+def install_for_callback(budget, policy, device: int | None, too_late_hint: str):
+    """What a framework callback does when made: the policy (choose_policy) installed on `device`
+    (default LOCAL_RANK), before CUDA starts."""
+    chosen = choose_policy(policy, budget, source="UMAllocCallback(budget=...)")
+    return install_before_cuda(chosen, device=local_rank() if device is None else device,
+                               installed_by="UMAllocCallback", too_late_hint=too_late_hint)
+
+
 def attach_planner(model: torch.nn.Module, **options) -> BlockPlanner | None:
     """The block planner on `model` (unwrapped) when the installed policy asks for one under a
     budget (see the module's rules), else None. A planner already attached is returned as is."""

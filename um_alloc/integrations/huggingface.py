@@ -18,7 +18,7 @@ import os
 
 from transformers import TrainerCallback
 
-from .attach import Attached, choose_policy, install_before_cuda, local_rank
+from .attach import Attached, install_for_callback
 
 __all__ = ["UMAllocCallback"]
 
@@ -44,9 +44,7 @@ class UMAllocCallback(TrainerCallback):
 
     def __init__(self, budget=None, policy=None, *, json_path: str | os.PathLike | None = None,
                  device: int | None = None, **planner_options):
-        chosen = choose_policy(policy, budget, source="UMAllocCallback(budget=...)")
-        self.installation = install_before_cuda(chosen, device=local_rank() if device is None else device,
-                                                installed_by="UMAllocCallback", too_late_hint=TOO_LATE)
+        self.installation = install_for_callback(budget, policy, device, TOO_LATE)
         self.json_path, self.planner_options = json_path, planner_options
         self.attached: Attached | None = None
         self.report: dict | None = None

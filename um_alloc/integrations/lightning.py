@@ -26,7 +26,7 @@ except ImportError:
     except ImportError as missing:
         raise ImportError("um_alloc.integrations.lightning needs Lightning: pip install lightning") from missing
 
-from .attach import choose_policy, install_before_cuda, local_rank, report, summary_text, write_json
+from .attach import install_for_callback, report, summary_text, write_json
 
 __all__ = ["UMAllocCallback"]
 
@@ -51,9 +51,7 @@ class UMAllocCallback(Callback):
 
     def __init__(self, budget=None, policy=None, *, json_path: str | os.PathLike | None = None,
                  device: int | None = None, **planner_options):
-        chosen = choose_policy(policy, budget, source="UMAllocCallback(budget=...)")
-        self.installation = install_before_cuda(chosen, device=local_rank() if device is None else device,
-                                                installed_by="UMAllocCallback", too_late_hint=TOO_LATE)
+        self.installation = install_for_callback(budget, policy, device, TOO_LATE)
         self.json_path, self.planner_options = json_path, planner_options
         self.auto = None
         self.report: dict | None = None
