@@ -24,6 +24,13 @@ def test_planned_training_gives_plain_trainings_losses(cuda_device):
     assert result["lean_loss_calls"] > 0          # the model's loss went through the chunked cross-entropy
 
 
+def test_rebuilt_blocks_give_plain_trainings_losses(cuda_device):
+    result = _check("rebuild")
+    assert result["planned"] == result["plain"]
+    assert result["plan"].get("rebuild") == 6      # every layer: nothing else is allowed but the safe mode
+    assert result["rebuildable_bytes"] > 0         # casts and GELU outputs found, and rebuilt equal
+
+
 def test_chunked_cross_entropy_is_pytorchs_bit_for_bit(cuda_device):
     result = _check("lean")
     for case, seen in result.items():

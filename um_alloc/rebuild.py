@@ -103,6 +103,10 @@ class Recipe:
 
     def build(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
         """The tensor, bit for bit; `fetch` turns an entry into its tensor on the GPU."""
+        return self.shape(self.build_base(fetch, device_type))
+
+    def build_base(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
+        """The root, cast: what recipes of one root and one cast share (see base_key)."""
         if isinstance(self.root, Call):
             call = self.root
             args = [_value(a, fetch) for a in call.args]
@@ -112,17 +116,29 @@ class Recipe:
                 base = call.func(*args, **kwargs)
         else:
             base = _value(self.root.source, fetch)
-        if self.cast is not None:
-            base = base.to(self.cast)
+        return base if self.cast is None else base.to(self.cast)
+
+    def shape(self, base: torch.Tensor) -> torch.Tensor:
+        """This recipe's own view of what build_base made."""
         return base.as_strided(self.size, self.stride, 0)
+
+    @property
+    def base_key(self) -> tuple:
+        """Recipes with equal keys in one step build the same base (the query, key and value
+        projections each save a cast of one LayerNorm output): it can be built once for them."""
+        return id(self.root), self.cast
 
 
 class RootRecorder:
     """Per step: the roots recipes start from, keyed by (autograd node, output number)."""
 
-    def __init__(self, held_of: Callable[[torch.Tensor], Any], device_type: str):
+    def __init__(self, held_of: Callable[[torch.Tensor], Any], device_type: str, views_under_casts: bool = False):
         self._held_of = held_of          # tensor -> its entry if saved this step, else None
         self._device_type = device_type
+        # Whether a cast of a view of the root (a linear reading x.view(-1, n)) may have a recipe:
+        # rebuilt right only where the view only reshapes; for callers that compare every recipe's
+        # result with the tensor before trusting it.
+        self._views_under_casts = views_under_casts
         self._roots: dict[tuple, tuple[Any, Call | Held]] = {}  # (id(node), nr) -> (node, root)
 
     def mode(self) -> TorchFunctionMode:
@@ -165,11 +181,12 @@ class RootRecorder:
                 return _recipe(tensor, found[1], cast)
             name = type(node).__name__
             if name == "AccumulateGrad":
-                param = node.variable
-                return _recipe(tensor, Held(Param(param, param._version), param.numel()), cast)
-            if cast is not None or len(node.next_functions) != 1:
+                return _recipe(tensor, self._leaf(node.variable), cast)
+            if len(node.next_functions) != 1 or (cast is not None and not self._views_under_casts):
                 return None   # views of a cast of a view: the layout need not be the root's
             if name == CAST_NODE:
+                if cast is not None:
+                    return None  # two casts: the first could lose what the second cannot give back
                 cast = tensor.dtype
             elif name not in VIEW_NODES:
                 return None
@@ -178,13 +195,22 @@ class RootRecorder:
                 return None
         return None
 
+    def _leaf(self, leaf: torch.Tensor) -> Held:
+        """A leaf: one held this step (a recomputed block's input), or a parameter."""
+        entry = self._held_of(leaf)
+        if entry is not None:
+            return Held(Source(entry), leaf.numel())
+        return Held(Param(leaf, leaf._version), leaf.numel())
+
     def _input(self, value):
         if not isinstance(value, torch.Tensor):
             return value
+        entry = self._held_of(value)
+        if entry is not None:
+            return Source(entry)
         if value.is_leaf and value.requires_grad:
             return Param(value, value._version)
-        entry = self._held_of(value)
-        return _UNHELD if entry is None else Source(entry)
+        return _UNHELD
 
 
 class _CheapCallMode(TorchFunctionMode):

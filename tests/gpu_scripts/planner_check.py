@@ -1,6 +1,7 @@
 """The block planner on a GPU under um_alloc, in a fresh process (install precedes CUDA).
 
     python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
+    python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
 
@@ -40,10 +41,10 @@ def step(model, optimizer, ids, seed):
     return loss.item()
 
 
-def equal() -> dict:
+def equal(decisions=None) -> dict:
     plain, plain_opt = bert()
     planned, planned_opt = bert()
-    planner = um_alloc.plan(planned, budget="2GiB")
+    planner = um_alloc.plan(planned, budget="2GiB", decisions=decisions)
     planner._runtime.lean_loss.min_bytes = 0  # the loss is small here: chunk it anyway, to compare
     data = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
@@ -52,7 +53,13 @@ def equal() -> dict:
         losses["plain"].append(step(plain, plain_opt, ids, i))
         losses["planned"].append(step(planned, planned_opt, ids, i))
     return {**losses, "plan": planner.plan.counts(), "moved": planner.plan.moved_bytes,
-            "lean_loss_calls": planner.to_dict()["lean_loss_calls"]}
+            "lean_loss_calls": planner.to_dict()["lean_loss_calls"],
+            "rebuildable_bytes": sum(u.rebuildable_bytes for u in planner.calibration.units)}
+
+
+def rebuild() -> dict:
+    """Every block kept with its cheap saves rebuilt in backward (dropout 0.1, bf16 autocast)."""
+    return equal(decisions=["rebuild"])
 
 
 def oom() -> dict:
@@ -107,4 +114,4 @@ def lean() -> dict:
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
     um_alloc.install("best.yaml", budget="4GiB")
-    print(json.dumps({"equal": equal, "oom": oom, "lean": lean}[sys.argv[1]]()))
+    print(json.dumps({"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean}[sys.argv[1]]()))

@@ -48,7 +48,7 @@ log = logging.getLogger("um_alloc.planner")
 
 REST = "(outside the units)"         # what the model's forward saves outside every unit: its loss
 STRATEGIES = ("auto", "checkpoint")
-DEFAULT_DECISIONS = ("keep", "move", "recompute", "recompute_moved")  # auto: this planner; checkpoint: every block recomputed
+DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved")  # auto: this planner; checkpoint: every block recomputed
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
 _KEEP_STARTS = 64                    # step start events kept for the measured step time
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKeyDictionary()
@@ -58,7 +58,8 @@ _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKe
 class _Shape:
     """What the planner knows of one input shape."""
     calibrated: int = 0
-    selective: dict = field(default_factory=dict)  # unit -> (bytes, matmul seconds), from the first step
+    first: dict = field(default_factory=dict)      # unit -> figures only the first step measures
+    signatures: dict = field(default_factory=dict)  # unit -> the places its saves rebuild equal
     calibration: Calibration | None = None
     plan: Plan | None = None
     failures: int = 0                              # safe-mode steps that ran out of memory
@@ -137,7 +138,7 @@ class BlockPlanner:
         if shape.plan is not None:
             self._current = shape.plan
             self._note_start(shape.plan)
-            return StepSpec(shape.plan.decisions, owner=shape)
+            return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.signatures)
         first = shape.calibrated == 0
         if first:
             log.info("planner: measuring %d steps in the safe mode for input %s", CALIBRATION_STEPS,
@@ -176,9 +177,10 @@ class BlockPlanner:
         cal = recorder.calibration(names, recorder.marks[-1].clock, self._link, self._reserved)
         shape.calibrated += 1
         if shape.calibrated < CALIBRATION_STEPS:
-            shape.selective = {j: (u.selective_bytes, u.matmul_s) for j, u in enumerate(cal.units)}
+            shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
+            shape.signatures = recorder.signatures()
             return
-        shape.calibration = _with_selective(cal, shape.selective)
+        shape.calibration = _with_first_step(cal, shape.first)
         shape.plan = self._make(shape.calibration)
 
     def _make(self, cal: Calibration) -> Plan:
@@ -269,10 +271,16 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
     return _ATTACHED.get(unwrap_model(model))
 
 
-def _with_selective(cal: Calibration, selective: dict) -> Calibration:
-    """The second step's figures, with the kept ops' bytes and time counted in the first."""
-    units = tuple(replace(u, selective_bytes=selective.get(j, (0, 0.0))[0], matmul_s=selective.get(j, (0, 0.0))[1])
-                  for j, u in enumerate(cal.units))
+# Measured in the first calibration step only (it runs the probes, which slow it down); the time
+# and the bytes of everything else come from the second.
+_FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s")
+
+
+def _with_first_step(cal: Calibration, first: dict) -> Calibration:
+    """The second step's figures, with what only the first measured: the ops a selective
+    recompute keeps, and what a kept unit can rebuild."""
+    units = tuple(replace(u, **first.get(j, {})) for j, u in enumerate(cal.units))
+    units = tuple(replace(u, rebuildable_bytes=min(u.rebuildable_bytes, u.saved_bytes)) for u in units)
     return replace(cal, units=units)
 
 

@@ -36,6 +36,7 @@ __all__ = ["Decision", "UnitCost", "Segment", "Calibration", "Plan", "PlanInfeas
 class Decision(str, enum.Enum):
     """How a unit's activations survive until backward."""
     KEEP = "keep"                          # saved tensors stay on the GPU
+    REBUILD = "rebuild"                    # the same, less what backward rebuilds cheaply (casts, GELU)
     MOVE = "move"                          # saved tensors go to host memory, back ahead of backward
     SELECTIVE = "selective"                # keep matmul/conv/attention outputs, recompute the rest
     SELECTIVE_MOVED = "selective_moved"    # the same, its inputs in host memory
@@ -78,11 +79,15 @@ class UnitCost:
     recompute_cpu_s: float = 0.0  # the host's time for its recomputation
     backward_s: float = 0.0      # its own backward, without the recomputation
     backward_cpu_s: float = 0.0  # the host's time for it
+    rebuildable_bytes: int = 0   # of saved_bytes, what backward can rebuild from the rest (casts, GELU, ...)
+    rebuild_s: float = 0.0       # the GPU's time to rebuild it
+    rebuild_cpu_s: float = 0.0   # the host's
 
     def retained(self, decision: Decision) -> int:
         """Bytes this unit holds on the GPU from its forward to its backward."""
         return {
             Decision.KEEP: self.saved_bytes + self.input_bytes,
+            Decision.REBUILD: self.saved_bytes - self.rebuildable_bytes + self.input_bytes,
             Decision.MOVE: 0,
             Decision.SELECTIVE: self.selective_bytes + self.input_bytes,
             Decision.SELECTIVE_MOVED: self.selective_bytes,
@@ -114,6 +119,8 @@ class UnitCost:
         if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
             # The GPU skips the kept ops; the host still issues every op (through a dispatch mode).
             return self.rerun_s(max(gpu - self.matmul_s, 0.2 * gpu)) + moving
+        if decision is Decision.REBUILD and self.rebuildable_bytes > 0:
+            return self.added_to_backward_s(self.rebuild_s, self.rebuild_cpu_s)
         return moving
 
     def rerun_s(self, gpu_s: float) -> float:
@@ -124,7 +131,12 @@ class UnitCost:
         backward of 2.9 and 2.8 ms, and 15 recomputed blocks made the step 31 ms longer."""
         if self.recompute_cpu_s <= 0:  # not measured (a calibration without the host's clock)
             return gpu_s
-        both = max(self.backward_cpu_s + self.recompute_cpu_s, self.backward_s + gpu_s)
+        return self.added_to_backward_s(gpu_s, self.recompute_cpu_s)
+
+    def added_to_backward_s(self, gpu_s: float, cpu_s: float) -> float:
+        """What work of `gpu_s` on the GPU and `cpu_s` on the host adds to this unit's backward:
+        its time on the slower clock, less what that clock already spent."""
+        both = max(self.backward_cpu_s + cpu_s, self.backward_s + gpu_s)
         return both - max(self.backward_cpu_s, self.backward_s)
 
     def allowed(self) -> tuple[Decision, ...]:

@@ -18,6 +18,7 @@ import torch
 from ..install import is_installed
 from ..pool import ChunkPool
 from .planning import Calibration, Segment, UnitCost
+from .rebuilt import RebuildProbe
 
 __all__ = ["MemoryProbe", "StepRecorder", "link_rate"]
 
@@ -84,6 +85,7 @@ class _UnitSeen:
     input_bytes: int = 0
     selective_bytes: int = 0
     matmul_s: float = 0.0
+    rebuilt: RebuildProbe | None = None  # what its recomputations found backward could rebuild
 
 
 class StepRecorder:
@@ -123,6 +125,13 @@ class StepRecorder:
             self._ops.append((unit, start, self._clock()))
         return done
 
+    def rebuild_probe(self, unit: int, min_bytes: int) -> RebuildProbe:
+        """The probe of what `unit` saves that backward could rebuild (one for all its calls)."""
+        seen = self.units[unit]
+        if seen.rebuilt is None:
+            seen.rebuilt = RebuildProbe(self.device, min_bytes, self._clock)
+        return seen.rebuilt
+
     def _clock(self):
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
@@ -158,11 +167,24 @@ class StepRecorder:
         units = tuple(UnitCost(name, kind, s.forward_s, s.recompute_s, s.matmul_s,
                                s.rebuilt_bytes if kind == "block" else s.moved_bytes,
                                s.selective_bytes, s.input_bytes, hide[j], s.forward_cpu_s, s.recompute_cpu_s,
-                               s.backward_s, s.backward_cpu_s)
+                               s.backward_s, s.backward_cpu_s, **self._rebuild_figures(s))
                       for j, ((name, kind), s) in enumerate(zip(names, self.units)))
         live_peak = max((m.peak for m in self.marks), default=0)
         return Calibration(units, self._segments(), self._seconds(self.marks[0].clock, next_start),
                            link_bytes_per_s, self.probe.held_beyond_live(live_peak), reserved_bytes)
+
+    def _rebuild_figures(self, seen: _UnitSeen) -> dict:
+        probe = seen.rebuilt
+        if probe is None:
+            return {}
+        return {"rebuildable_bytes": min(probe.rebuilt_bytes, seen.rebuilt_bytes),
+                "rebuild_s": sum(self._seconds(start, end) for start, end, _ in probe.timings),
+                "rebuild_cpu_s": sum(cpu for _, _, cpu in probe.timings)}
+
+    def signatures(self) -> dict[int, dict]:
+        """Per unit: the places among its saves where a recipe rebuilt equal (RebuiltSaves reads them)."""
+        return {j: {place: sig for place, sig in s.rebuilt.signatures.items() if sig is not None}
+                for j, s in enumerate(self.units) if s.rebuilt is not None}
 
     def _time_backwards(self) -> None:
         """Each unit's own backward, on both clocks: from the gradient reaching it to the gradient

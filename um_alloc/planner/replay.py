@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -43,6 +43,7 @@ from .blocks import Unit
 from .lean_loss import LeanLoss
 from .planning import Decision
 from .record import StepRecorder
+from .rebuilt import RebuiltSaves
 
 __all__ = ["Runtime", "StepSpec", "SAVED_OPS"]
 
@@ -87,7 +88,9 @@ class StepSpec:
     """What the director wants of one step."""
     decisions: tuple[Decision, ...]
     recorder: StepRecorder | None = None
-    count_ops: bool = False        # time and size the ops a selective recompute keeps
+    count_ops: bool = False        # time and size the ops a selective recompute keeps, and find
+    #                                what a kept unit could rebuild (rebuilt.RebuildProbe)
+    rebuilds: dict = field(default_factory=dict)  # unit -> the places its rebuild decision rebuilds
     full_recompute: bool = False   # no early stop: a recompute rebuilds all a unit saves
     owner: Any = None              # the director's own record of the step's input shape
 
@@ -290,6 +293,10 @@ class Runtime:
         try:
             if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
+            elif decision is Decision.REBUILD:
+                saves = RebuiltSaves(self.device, self.min_bytes, step.spec.rebuilds.get(index, {}))
+                with saves.around(args, kwargs):
+                    out = forward(*args, **kwargs)
             elif decision is Decision.MOVE:
                 with self._saved_tensors_moved():
                     out = forward(*args, **kwargs)
@@ -378,9 +385,13 @@ class Runtime:
             slot.fetch()
         # Running statistics as they were: the recomputation updates them again, then they go back.
         kept = [(b, b.clone()) for m in self._norms[index] for b in m.buffers()]
+        recorder = step.spec.recorder
+        probe = recorder.rebuild_probe(index, self.min_bytes).around([p.tensor for p in parked]) \
+            if recorder and step.spec.count_ops and self.units[index].kind == "block" else contextlib.nullcontext()
         start = step.mark("recompute in", index)
         try:
-            yield
+            with probe:
+                yield
         finally:
             end = step.mark("recompute out", index)
             for buffer, before in kept:

@@ -1,0 +1,153 @@
+"""The rebuild decision on the CPU: calibration finds what a kept block can rebuild, replay rebuilds
+it, and training is bit for bit plain autograd's; a recipe that does not rebuild equal is never used."""
+import copy
+
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, Decision, UnitCost, evaluate
+from um_alloc.planner import rebuilt as rebuilt_module
+from um_alloc.planner.planning import Calibration, Segment
+from um_alloc.rebuild import Recipe
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_bert():
+    config = transformers.BertConfig(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=256, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(config).train()
+
+
+def loss_of(model, ids):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as BERT trains on a GPU: casts to rebuild
+        return model(input_ids=ids, labels=ids).loss
+
+
+class PackCounter:
+    """Counts what RebuiltSaves stood a recipe in for, and what it kept."""
+
+    def __init__(self, monkeypatch):
+        self.rebuilt = self.kept = 0
+        pack = rebuilt_module.RebuiltSaves._pack
+
+        def counting(saves, tensor):
+            out = pack(saves, tensor)
+            if type(out) is rebuilt_module._Rebuilt:
+                self.rebuilt += 1
+            else:
+                self.kept += 1
+            return out
+        monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", counting)
+
+
+def planned_rebuild(model, ids, steps: int = 3) -> BlockPlanner:
+    """Two calibration steps, then planned steps allowed nothing but rebuild (and the safe mode)."""
+    planner = BlockPlanner(model, "1GiB", decisions=["rebuild"], lean_loss=False)
+    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
+    for _ in range(steps):
+        loss_of(model, ids).backward()
+        model.zero_grad()
+    return planner
+
+
+def test_rebuilt_blocks_train_as_plain_autograd_does(monkeypatch):
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
+    planner = planned_rebuild(model, ids)
+    assert planner.plan.counts()["rebuild"] == 3
+    counter = PackCounter(monkeypatch)
+    loss = loss_of(model, ids)
+    loss.backward()
+    expected = loss_of(plain, ids)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    # Per layer: the query, key and value casts of its input, the cast of a LayerNorm output, the
+    # GELU output and the weights' casts are rebuilt; the rest is kept.
+    assert counter.rebuilt == 3 * 11 and counter.kept > 0
+    planner.remove()
+
+
+def test_calibration_names_the_places_and_their_recipes():
+    model = tiny_bert()
+    ids = torch.randint(0, 97, (4, 32))
+    planner = planned_rebuild(model, ids)
+    signatures = next(iter(planner._shapes.values())).signatures
+    blocks = [j for j, u in enumerate(planner.units) if u.kind == "block"]
+    assert sorted(signatures) == blocks
+    roots = {sig[:2] for sig in signatures[blocks[0]].values()}
+    assert roots == {("call", "layer_norm"), ("call", "gelu"), ("held", "Source"), ("held", "Param")}
+    assert all(signatures[j] == signatures[blocks[0]] for j in blocks)  # the same layer, the same places
+    planner.remove()
+
+
+def test_a_recipe_that_does_not_rebuild_equal_is_never_used(monkeypatch):
+    build = Recipe.build_base
+    monkeypatch.setattr(Recipe, "build_base", lambda self, fetch, device: build(self, fetch, device) + 1)
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (4, 32))
+    planner = planned_rebuild(model, ids)
+    assert next(iter(planner._shapes.values())).signatures == {j: {} for j, u in enumerate(planner.units)
+                                                                if u.kind == "block"}
+    counter = PackCounter(monkeypatch)
+    loss_of(model, ids).backward()
+    loss_of(plain, ids).backward()
+    assert counter.rebuilt == 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    planner.remove()
+
+
+def test_a_save_that_differs_from_calibrations_is_kept(monkeypatch):
+    """Replay rebuilds a place only where the recipe's signature is calibration's."""
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (4, 32))
+    planner = planned_rebuild(model, ids)
+    shape = next(iter(planner._shapes.values()))
+    shape.signatures = {j: {place: ("call", "tanh", None, (1,), (1,)) for place in places}
+                        for j, places in shape.signatures.items()}
+    counter = PackCounter(monkeypatch)
+    loss_of(model, ids).backward()
+    loss_of(plain, ids).backward()
+    assert counter.rebuilt == 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    planner.remove()
+
+
+def _calibration(rebuildable: int) -> Calibration:
+    """Four blocks of 1 GiB saved each, `rebuildable` of it rebuilt in 0.1 ms; a safe step whose
+    segments hold every block until backward reaches it."""
+    gib = 1 << 30
+    units = tuple(UnitCost(f"layer.{j}", "block", forward_s=4e-3, recompute_s=2e-3, saved_bytes=gib,
+                           input_bytes=64 << 20, hide_s=0.0, rebuildable_bytes=rebuildable,
+                           rebuild_s=1e-4, rebuild_cpu_s=5e-5, backward_s=4e-3, backward_cpu_s=3e-3)
+                  for j in range(4)) + (UnitCost("(outside the units)", "gap", 0.0),)
+    segments = (Segment("end of forward", 2 * gib, held=(0, 1, 2, 3)),)
+    return Calibration(units, segments, step_s=0.05, link_bytes_per_s=50e9)
+
+
+def test_rebuilding_keeps_more_blocks_in_the_same_budget():
+    from um_alloc.planner import make_plan
+    budget = (2 << 30) + (512 << 20) + 2 * (1 << 30) + (256 << 20)  # room for two kept blocks, not three
+    allowed = frozenset({Decision.KEEP, Decision.REBUILD, Decision.RECOMPUTE})
+    plain = make_plan(_calibration(0), budget, allowed=allowed)
+    lean = make_plan(_calibration(600 << 20), budget, allowed=allowed)
+    assert plain.decisions[:4].count(Decision.KEEP) == 2 and Decision.REBUILD not in plain.decisions
+    assert lean.decisions[:4] == (Decision.REBUILD,) * 4  # 488 MiB each instead of 1088
+    assert lean.predicted_step_s < plain.predicted_step_s
+    assert lean.predicted_peak_bytes <= lean.limit_bytes
+
+
+def test_a_rebuild_costs_what_it_adds_on_the_slower_clock():
+    unit = _calibration(600 << 20).units[0]
+    assert unit.retained(Decision.REBUILD) == unit.retained(Decision.KEEP) - (600 << 20)
+    # backward: 4 ms on the GPU, 3 ms on the host; the rebuild: 0.1 ms and 0.05 ms -> the GPU's 0.1 ms
+    assert unit.cost_s(Decision.REBUILD) == pytest.approx(1e-4)
+    # With nothing to rebuild, rebuild is keep: the plan prefers keep on a tie.
+    plan = evaluate(_calibration(0), (Decision.REBUILD,) * 4 + (Decision.KEEP,), 64 << 30)
+    assert plan.predicted_step_s == evaluate(_calibration(0), (Decision.KEEP,) * 5, 64 << 30).predicted_step_s

@@ -1,0 +1,228 @@
+"""The rebuild decision: a unit's saved tensors stay on the GPU, except those backward can make
+again from others in a fraction of a millisecond (um_alloc.rebuild's recipes).
+
+A transformer block saves, beside what its backward needs, tensors it can make again cheaply
+from tensors it saves anyway: the bf16 casts of its input and of its LayerNorm outputs, which each
+linear under autocast saves for itself; the GELU output the next linear saves; casts of its
+weights. In a BERT-Large block that is about half of what it saves. Kept but rebuilt, a block
+holds the rest, and backward reruns a cast, a LayerNorm or a GELU where it needs one.
+
+Calibration finds them (RebuildProbe): while the first measured step recomputes each block, every
+saved tensor with a recipe is rebuilt on the spot and compared with the tensor, byte for byte. The
+equal ones, by their place among the unit's saves, are what a plan may count on, with their bytes
+and the time the rebuilds took. Replay (RebuiltSaves) rebuilds a tensor only where that place in
+the unit has a recipe of the same signature and keeps the others, so a step that differs costs
+bytes, never a wrong gradient.
+
+A recipe's root is either a cheap call recorded while the unit ran, or a tensor the unit holds:
+one it saved, or its own input, which the unit holds for this (the plan counts a kept unit's inputs)
+so that the casts of it need not be held too.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..byte_views import storage_bytes
+from ..rebuild import Held, Recipe, RootRecorder
+from ..tensor_trees import tensors as _tensors
+
+__all__ = ["RebuildProbe", "RebuiltSaves", "Signatures"]
+
+Signatures = dict  # place among a unit's eligible saves -> Recipe.signature() that rebuilt equal
+
+
+@dataclass
+class _Base:
+    """A root and cast that several saved tensors share (the query, key and value projections
+    each save a cast of one input): built once in backward for all of them."""
+    uses: int = 0
+    tensor: torch.Tensor | None = None
+
+
+@dataclass
+class _Rebuilt:
+    """What autograd holds instead of a saved tensor: how to make it again."""
+    recipe: Recipe
+    base: _Base
+    device_type: str
+
+    def tensor(self) -> torch.Tensor:
+        base = self.base
+        if base.tensor is None:
+            base.tensor = self.recipe.build_base(_itself, self.device_type)
+        out = self.recipe.shape(base.tensor)
+        base.uses -= 1
+        if base.uses <= 0:  # the last saved tensor of this base: let go of it
+            base.tensor = None
+        return out
+
+
+def _itself(entry):
+    return entry  # a recipe's sources here are the held tensors themselves
+
+
+@dataclass
+class _UnitCall:
+    """One call of a unit: the tensors it holds, and the roots recipes may start from."""
+    device: torch.device
+    min_bytes: int
+    held: dict = field(default_factory=dict)   # (id, version) -> weakref to the tensor
+    saves: int = 0                              # eligible saves so far
+
+    def __post_init__(self):
+        self.roots = RootRecorder(self.held_of, self.device.type, views_under_casts=True)
+
+    def held_of(self, tensor: torch.Tensor):
+        ref = self.held.get((id(tensor), tensor._version))
+        return tensor if ref is not None and ref() is tensor else None
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        self.held[(id(tensor), tensor._version)] = weakref.ref(tensor)
+        self.roots.add_held(tensor, tensor)
+
+    def hold_inputs(self, values) -> None:
+        for t in _tensors(values):
+            if self.eligible(t):
+                self.hold(t)
+
+    def eligible(self, tensor: torch.Tensor) -> bool:
+        """On the unit's device, at least min_bytes, not a parameter (nor a view of one). Not "a
+        leaf that requires grad": a recomputed unit's input is one, the same input kept is not,
+        and both must count the same places."""
+        base = tensor._base if tensor._base is not None else tensor
+        return (tensor.device == self.device and tensor.numel() * tensor.element_size() >= self.min_bytes
+                and not isinstance(base, torch.nn.Parameter))
+
+    def place(self) -> int:
+        self.saves += 1
+        return self.saves - 1
+
+    def recipe_for(self, tensor: torch.Tensor) -> Recipe | None:
+        """A recipe worth using: one that makes new memory (a call, or a cast). A view of a held
+        tensor, or of a parameter, shares its memory: saving it costs nothing."""
+        recipe = self.roots.recipe_for(tensor)
+        if recipe is None or (isinstance(recipe.root, Held) and recipe.cast is None):
+            return None
+        return recipe
+
+
+class RebuiltSaves:
+    """Replay: around one call of a unit the plan rebuilds, the saved-tensor hooks that hold what
+    must stay and stand a recipe in for what backward can make again."""
+
+    def __init__(self, device: torch.device, min_bytes: int, signatures: Signatures):
+        self._call = _UnitCall(device, min_bytes)
+        self._signatures = signatures
+        self._bases: dict[tuple, _Base] = {}
+        self.rebuilt_bytes = 0
+
+    @contextlib.contextmanager
+    def around(self, args, kwargs) -> Iterator[None]:
+        self._call.hold_inputs((args, kwargs))
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self._call.roots.mode():
+            yield
+        self._call.roots.clear()
+
+    def _pack(self, tensor: torch.Tensor):
+        call = self._call
+        if not call.eligible(tensor):
+            return tensor
+        expected = self._signatures.get(call.place())
+        recipe = call.recipe_for(tensor) if expected is not None else None
+        if recipe is None or recipe.signature() != expected:
+            call.hold(tensor)
+            return tensor
+        base = self._bases.setdefault(recipe.base_key, _Base())
+        base.uses += 1
+        self.rebuilt_bytes += tensor.numel() * tensor.element_size()
+        return _Rebuilt(recipe, base, tensor.device.type)
+
+
+def _unpack(packed):
+    return packed.tensor() if type(packed) is _Rebuilt else packed
+
+
+class RebuildProbe:
+    """Calibration: inside one recomputation of a unit, which of its saved tensors rebuild byte
+    for byte, what they weigh, and what their rebuilds take on both clocks.
+
+    It wraps the saved-tensor hooks in force (the recomputation's own, torch.utils.checkpoint's):
+    each tensor goes on to them unchanged. Where PyTorch does not say which hooks are in force, it
+    finds nothing and the plan rebuilds nothing."""
+
+    def __init__(self, device: torch.device, min_bytes: int, timer):
+        self._device, self._min_bytes = device, min_bytes
+        self._timer = timer               # () -> a clock; (start, end) of GPU work in seconds later
+        self.signatures: Signatures = {}
+        self.rebuilt_bytes = 0
+        self.timings: list[tuple[object, object, float]] = []  # (start, end, host seconds) per base built
+
+    @contextlib.contextmanager
+    def around(self, values) -> Iterator[None]:
+        hooks = _hooks_in_force()
+        if hooks is None:
+            yield
+            return
+        outer_pack, outer_unpack = hooks
+        call = _UnitCall(self._device, self._min_bytes)
+        call.hold_inputs(values)
+        seen: dict[tuple, None] = {}   # bases built (their cost counts once), storages counted
+
+        def pack(tensor):
+            self._look(call, tensor, seen)
+            return outer_pack(tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), call.roots.mode():
+            yield
+        call.roots.clear()
+
+    def _look(self, call: _UnitCall, tensor: torch.Tensor, seen: dict) -> None:
+        if not call.eligible(tensor):
+            return
+        place = call.place()
+        recipe = call.recipe_for(tensor)
+        if recipe is None or not self._rebuilds_equal(recipe, tensor, seen):
+            call.hold(tensor)
+            self._note(place, None)
+            return
+        self._note(place, recipe.signature())
+        storage = ("storage", tensor.untyped_storage().data_ptr())
+        if storage not in seen:
+            seen[storage] = None
+            self.rebuilt_bytes += tensor.numel() * tensor.element_size()
+
+    def _note(self, place: int, signature) -> None:
+        """Calls of one unit that disagree at a place: nothing is rebuilt there."""
+        if self.signatures.get(place, signature) != signature:
+            signature = None
+        self.signatures[place] = signature
+
+    def _rebuilds_equal(self, recipe: Recipe, tensor: torch.Tensor, seen: dict) -> bool:
+        start, host = self._timer(), time.perf_counter()
+        with torch.no_grad():
+            base = recipe.build_base(_itself, tensor.device.type)
+        timing = (start, self._timer(), time.perf_counter() - host)
+        rebuilt = recipe.shape(base)
+        equal = (rebuilt.dtype == tensor.dtype and rebuilt.shape == tensor.shape
+                 and rebuilt.stride() == tensor.stride() and _same_bytes(rebuilt, tensor))
+        key = ("base", recipe.base_key)
+        if equal and key not in seen:  # in backward a shared base is built once
+            seen[key] = None
+            self.timings.append(timing)
+        return equal
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits where both tensors cover their storages (what recipes rebuild)."""
+    return torch.equal(storage_bytes(a), storage_bytes(b))
+
+
+def _hooks_in_force():
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
