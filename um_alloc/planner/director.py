@@ -79,8 +79,8 @@ class BlockPlanner:
         margin: room left under the budget (default 512 MiB); grows after an out-of-memory step.
         window: bytes of copies back in flight ahead of backward (default 512 MiB).
         hide_fraction: share of the link's time under compute that moves may take (default 0.7).
-        decisions: the decisions the plan may use (default DEFAULT_DECISIONS: keep, move,
-            recompute, recompute_moved). "selective" and "selective_moved" (PyTorch's selective
+        decisions: the decisions the plan may use (default DEFAULT_DECISIONS: keep, rebuild,
+            move, recompute, recompute_moved). "selective" and "selective_moved" (PyTorch's selective
             checkpointing: keep matmul and attention outputs, recompute the rest) save GPU time but
             run every op through a Python dispatch mode, twice, which costs more CPU time than
             many hosts can hide; ask for them where the GPU, not the CPU, sets the pace.
