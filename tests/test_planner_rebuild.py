@@ -43,6 +43,14 @@ class PackCounter:
         monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", counting)
 
 
+def assert_nothing_rebuilt_and_plain_gradients(model, plain, ids, monkeypatch):
+    counter = PackCounter(monkeypatch)
+    loss_of(model, ids).backward()
+    loss_of(plain, ids).backward()
+    assert counter.rebuilt == 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 def planned_rebuild(model, ids, steps: int = 3) -> BlockPlanner:
     """Two calibration steps, then planned steps allowed nothing but rebuild (and the safe mode)."""
     planner = BlockPlanner(model, "1GiB", decisions=["rebuild"], lean_loss=False)
@@ -94,11 +102,7 @@ def test_a_recipe_that_does_not_rebuild_equal_is_never_used(monkeypatch):
     planner = planned_rebuild(model, ids)
     assert next(iter(planner._shapes.values())).signatures == {j: {} for j, u in enumerate(planner.units)
                                                                 if u.kind == "block"}
-    counter = PackCounter(monkeypatch)
-    loss_of(model, ids).backward()
-    loss_of(plain, ids).backward()
-    assert counter.rebuilt == 0
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert_nothing_rebuilt_and_plain_gradients(model, plain, ids, monkeypatch)
     planner.remove()
 
 
@@ -111,11 +115,7 @@ def test_a_save_that_differs_from_calibrations_is_kept(monkeypatch):
     shape = next(iter(planner._shapes.values()))
     shape.signatures = {j: {place: ("call", "tanh", None, (1,), (1,)) for place in places}
                         for j, places in shape.signatures.items()}
-    counter = PackCounter(monkeypatch)
-    loss_of(model, ids).backward()
-    loss_of(plain, ids).backward()
-    assert counter.rebuilt == 0
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert_nothing_rebuilt_and_plain_gradients(model, plain, ids, monkeypatch)
     planner.remove()
 
 
