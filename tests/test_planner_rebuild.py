@@ -151,3 +151,20 @@ def test_a_rebuild_costs_what_it_adds_on_the_slower_clock():
     # With nothing to rebuild, rebuild is keep: the plan prefers keep on a tie.
     plan = evaluate(_calibration(0), (Decision.REBUILD,) * 4 + (Decision.KEEP,), 64 << 30)
     assert plan.predicted_step_s == evaluate(_calibration(0), (Decision.KEEP,) * 5, 64 << 30).predicted_step_s
+
+
+def test_calibration_counts_the_bytes_replay_rebuilds(monkeypatch):
+    """The moved input a calibration recomputes from is a leaf: autocast must not cache its cast,
+    or the query, key and value projections would share one where forward makes three."""
+    model = tiny_bert()
+    ids = torch.randint(0, 97, (4, 32))
+    planner = planned_rebuild(model, ids)
+    made = []
+    init = rebuilt_module.RebuiltSaves.__init__
+    monkeypatch.setattr(rebuilt_module.RebuiltSaves, "__init__",
+                        lambda saves, *args: init(saves, *args) or made.append(saves))
+    loss_of(model, ids).backward()
+    first = next(iter(planner._shapes.values())).first
+    calibrated = [first[j]["rebuildable_bytes"] for j, u in enumerate(planner.units) if u.kind == "block"]
+    assert calibrated == [saves.rebuilt_bytes for saves in made] and all(calibrated)
+    planner.remove()

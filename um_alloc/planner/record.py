@@ -177,7 +177,7 @@ class StepRecorder:
         probe = seen.rebuilt
         if probe is None:
             return {}
-        return {"rebuildable_bytes": min(probe.rebuilt_bytes, seen.rebuilt_bytes),
+        return {"rebuildable_bytes": probe.rebuilt_bytes,
                 "rebuild_s": sum(self._seconds(start, end) for start, end, _ in probe.timings),
                 "rebuild_cpu_s": sum(cpu for _, _, cpu in probe.timings)}
 

@@ -367,7 +367,8 @@ class Runtime:
 
     def _contexts(self, step: Step, index: int, decision: Decision, parked: list):
         forward_ctx: list = []
-        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked)]
+        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked),
+                               functools.partial(_autocast_uncached, self.device.type)]
         if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
             saving, replaying = create_selective_checkpoint_contexts(_selective_policy)
             forward_ctx.append(lambda: saving)
@@ -398,6 +399,15 @@ class Runtime:
                 buffer.copy_(before)
             if step.spec.recorder:
                 step.spec.recorder.pair("recompute", index, start, end)
+
+
+def _autocast_uncached(device_type: str):
+    """Autocast as forward had it (checkpoint restores that), without its cache of casts of leaves.
+    A moved input comes back as a leaf that requires grad, and with the cache the query, key and
+    value projections would share one cast of it where forward made three: calibration would count
+    a third of what a kept block holds and a rebuilt one rebuilds."""
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          enabled=torch.is_autocast_enabled(device_type), cache_enabled=False)
 
 
 def _unpark(value):
