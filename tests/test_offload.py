@@ -344,3 +344,11 @@ def test_views_of_a_cast_of_a_view_are_not_rebuilt():
     assert recorder.recipe_for(weight.to(torch.float64).t()) is not None       # view of a cast of a root
     assert recorder.recipe_for(weight.t().to(torch.float64).t()) is None       # the cast read a view
     assert recorder.recipe_for(weight[:2].to(torch.float64)) is None           # a slice: not the root's storage
+
+
+def test_copy_rates_are_each_directions_bytes_over_its_copying_time():
+    from um_alloc.offload import copy_rates
+    copies = [("out", 0.002, 100 << 20), ("out", 0.001, 28 << 20), ("in", 0.004, 100 << 20)]
+    out, back = copy_rates(copies)
+    assert out == pytest.approx((128 << 20) / 0.003) and back == pytest.approx((100 << 20) / 0.004)
+    assert copy_rates([("out", 0.001, 1 << 20)])[1] == float("inf")  # nothing came back

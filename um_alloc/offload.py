@@ -160,6 +160,7 @@ class ActivationOffload:
         self._peak_fn = peak_fn or (_default_peak_fn(self.device) if self._cuda else None)
         self._spill_check = _SpillCheck.for_device(self.device)
         self._roots = RootRecorder(self._held_of, self.device.type) if rebuild else None
+        self._copy_times: list | None = None  # (direction, start, end, bytes) while time_copies() asks
         self._verified: dict[int, tuple | None] = {}  # save index -> recipe signature that rebuilt equal
         self._steps = 0
         self._first_sizes: list[int] | None = None   # eligible sizes in save order, first step
@@ -450,7 +451,7 @@ class ActivationOffload:
             staged = self._stages is not None and dense(tensor)  # same strides: the same bytes, in order
             reader = self._fill_stream if staged else self._out_stream
             reader.wait_event(produced)
-            with torch.cuda.stream(self._out_stream):
+            with torch.cuda.stream(self._out_stream), self._timed("out", tensor.numel() * tensor.element_size()):
                 if staged:
                     self._stages[0].to_host(byte_view(tensor), byte_view(host), fill_stream=reader)
                 else:
@@ -481,6 +482,32 @@ class ActivationOffload:
                 "GiB to pinned memory so far. Lower the batch size, or raise the budget so that more stays "
                 "on the GPU.")
 
+    def time_copies(self) -> None:
+        """From now on, time each copy on its stream (two events each), until copy_rates()."""
+        self._copy_times = []
+
+    def copy_rates(self) -> tuple[float, float] | None:
+        """Bytes per second out and back, over the copies since time_copies(): each direction's
+        bytes over the time its stream spent copying them (stages included; a direction that
+        copied nothing counts as infinitely fast). None where nothing was timed. Synchronizes."""
+        timed, self._copy_times = self._copy_times, None
+        if not timed:
+            return None
+        torch.cuda.synchronize(self.device)
+        return copy_rates([(d, start.elapsed_time(end) / 1e3, nbytes) for d, start, end, nbytes in timed])
+
+    @contextlib.contextmanager
+    def _timed(self, direction: str, nbytes: int):
+        if self._copy_times is None:
+            yield
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._copy_times.append((direction, start, end, nbytes))
+
     def _copy_in(self, packed: _Packed) -> None:
         if self._cuda:
             # Taken on the compute stream, which frees it: the copy waits for compute to reach this
@@ -492,7 +519,7 @@ class ActivationOffload:
                                       device=self.device)
             self._in_stream.wait_stream(compute)
             self._in_stream.wait_event(packed.out_done)
-            with torch.cuda.stream(self._in_stream):
+            with torch.cuda.stream(self._in_stream), self._timed("in", packed.nbytes):
                 if self._stages:
                     self._stages[1].from_host(byte_view(packed.host), byte_view(gpu))
                 else:
@@ -514,6 +541,18 @@ class ActivationOffload:
                     return
                 self._copy_in(packed)
             self._cursor -= 1
+
+
+def copy_rates(copies: list[tuple[str, float, int]]) -> tuple[float, float]:
+    """(out, in) bytes per second from (direction, seconds, bytes) per copy: a direction's bytes
+    over its stream's time copying them (its copies run one after another); infinite for a
+    direction with nothing copied."""
+    rates = []
+    for direction in ("out", "in"):
+        seen = [(seconds, nbytes) for d, seconds, nbytes in copies if d == direction]
+        busy = sum(seconds for seconds, _ in seen)
+        rates.append(sum(nbytes for _, nbytes in seen) / busy if busy > 0 else float("inf"))
+    return rates[0], rates[1]
 
 
 def choose_kept(sizes: list[int], room: int, tail: int) -> frozenset[int]:

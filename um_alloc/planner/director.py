@@ -145,6 +145,8 @@ class BlockPlanner:
                      _shape_text(signature))
         recorder = StepRecorder(self.device, self._probe, len(self.units) + 1)
         self._pending = (shape, recorder)
+        if self.device.type == "cuda":
+            self._runtime.transfers.time_copies()
         safe = tuple(SAFE[u.kind] for u in self.units) + (SAFE["gap"],)
         return StepSpec(safe, recorder, count_ops=first, full_recompute=True, owner=shape)
 
@@ -171,10 +173,16 @@ class BlockPlanner:
         recorder.mark("next forward")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self._link is None:
-            self._link = link_rate(self.device)
+        # The link as this step's copies found it (through the stages, beside the step's kernels,
+        # the slower direction); where nothing was copied, a copy out and back of one buffer.
+        copied = self._runtime.transfers.copy_rates() if self.device.type == "cuda" else None
+        if copied:
+            link = min(copied)
+        else:
+            self._link = self._link or link_rate(self.device)
+            link = self._link
         names = [(u.name, u.kind) for u in self.units] + [(REST, "gap")]
-        cal = recorder.calibration(names, recorder.marks[-1].clock, self._link, self._reserved)
+        cal = recorder.calibration(names, recorder.marks[-1].clock, link, self._reserved)
         shape.calibrated += 1
         if shape.calibrated < CALIBRATION_STEPS:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
