@@ -7,7 +7,7 @@ the activation offload on, and the memory that could creep sampled after every s
 
 The model: BertForMaskedLM, 4 layers of hidden size 256 (vocabulary 8192), batch 16 of 128
 tokens, bf16 autocast, fused AdamW, dropout 0.1, random tokens. Each mode runs in a process of its
-own (um_alloc installs before CUDA starts), under --budget (1 GiB) and --max-reserved (4 GiB):
+own (um_alloc installs before CUDA starts), under --budget (1.5 GiB) and --max-reserved (4 GiB):
 
   planner  policies/planner.yaml; the block planner allowed only its safe decisions, so every
            step recomputes every block from inputs kept in host memory and moves what lies
@@ -284,10 +284,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=200, help="first steps left out of the verdict (default 200)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--budget", default="1GiB", help="GPU budget (scheduler.budget), default 1GiB")
+    p.add_argument("--budget", default="1536MiB", help="GPU budget (scheduler.budget), default 1536MiB")
     p.add_argument("--max-reserved", default="4GiB", help="the pool's reserve cap (pool.max_reserved), default 4GiB")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the loop without um_alloc)")
-    p.add_argument("--nvml-every", type=int, default=10, help="steps between NVML readings (default 10)")
+    p.add_argument("--nvml-every", type=int, default=50,
+                   help="steps between NVML readings, each an NVML session of its own (default 50)")
     p.add_argument("--timeout", type=float, default=900, help="seconds a mode may take (default 900)")
     p.add_argument("--out", type=Path, default=RESULTS / "soak")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
