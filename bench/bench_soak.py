@@ -288,7 +288,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-reserved", default="4GiB", help="the pool's reserve cap (pool.max_reserved), default 4GiB")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the loop without um_alloc)")
     p.add_argument("--nvml-every", type=int, default=50,
-                   help="steps between NVML readings, each an NVML session of its own (default 50)")
+                   help="steps between NVML readings, each of which starts and stops NVML (default 50)")
     p.add_argument("--timeout", type=float, default=900, help="seconds a mode may take (default 900)")
     p.add_argument("--out", type=Path, default=RESULTS / "soak")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
