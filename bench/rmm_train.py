@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> dict:
     limit_bytes = None if limit is None else parse_size(int(limit) if limit.isdigit() else limit,
                                                         key="--memory-limit", source="command line")
     peak = install_rmm(limit_bytes)
-    from bert_example import train
+    from bert_example import summary, train
 
     # torch.cuda.max_memory_allocated raises under a pluggable allocator: report RMM's peak.
-    train.memory_report = lambda args, device: {"peak_bytes": peak(), "peak_reserved_bytes": None}
+    summary.memory_report = lambda args, device: {"peak_bytes": peak(), "peak_reserved_bytes": None}
     return train.main(["--allocator", "stock", *rest])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +47,35 @@ def load_checkpoint(directory: str | Path) -> dict | None:
         if (Path(directory) / name).is_file():
             return torch.load(Path(directory) / name, map_location="cpu", weights_only=True)
     return None
+
+
+@dataclass
+class Progress:
+    """How far a run got, for what an interrupted run says: the steps done, the checkpoint being
+    written, and the last one whose write completed (the one --resume continues from)."""
+    steps: int                    # --steps
+    directory: str | None         # --checkpoint DIR
+    done: int                     # steps finished, counted from 0 also after --resume
+    saved: int | None = None      # the step of the last complete checkpoint in DIR
+    writing: int | None = None    # the step of the checkpoint being written
+
+    def save(self, state: dict) -> None:
+        """save_checkpoint(DIR, state), counted as complete only once it returned."""
+        self.writing = state["step"]
+        save_checkpoint(self.directory, state)
+        self.saved, self.writing = self.writing, None
+
+    def interrupted_text(self) -> str:
+        """What an interrupted run tells its user: where it stopped, and where --resume continues."""
+        text = f"train.py: interrupted with {self.done} of {self.steps} steps done"
+        if self.writing is not None:
+            text += f", while writing the checkpoint at step {self.writing} (not kept)"
+        if self.directory is None:
+            return text + ". Without --checkpoint DIR nothing was kept: a new run starts from step 0."
+        if self.saved is None:
+            return text + f". This run completed no checkpoint in {self.directory}."
+        return (text + f". The last complete checkpoint, at step {self.saved}, is in {self.directory}: "
+                "the same command with --resume continues from it.")
 
 
 def checkpoint_state(step: int, model, optimizer, source, device: torch.device, args) -> dict:

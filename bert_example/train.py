@@ -7,8 +7,9 @@
 The model is transformers' BertForMaskedLM built from a BertConfig (no weights are downloaded);
 the data is synthetic unless --data names a local text file (see data.py). bf16 autocast is on by
 default on CUDA; on CPU training runs in float32. ``main(argv)`` returns the run's summary dict.
-The command line and its checks are in options.py, checkpoints in checkpoints.py, and what
---phase-times, --link-rates and --trace measure in measure.py.
+The command line and its checks are in options.py, checkpoints in checkpoints.py, the summary in
+summary.py, and what --phase-times, --link-rates and --trace measure in measure.py. Ctrl-C ends a
+run with status 130 and says which checkpoint --resume continues from; out of GPU memory, status 3.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -28,16 +27,23 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, checkpoint_state, load_checkpoint,  # noqa: E402
-                                      restore, save_checkpoint)
+from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, Progress, checkpoint_state,  # noqa: E402,F401
+                                      load_checkpoint, restore)
 from bert_example.data import IGNORE, make_source  # noqa: E402
 from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
+from bert_example.summary import device_used, print_summary, summarize  # noqa: E402,F401
 from um_alloc.floor import BudgetBelowFloor  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
                                   check_policy, memory_limit_bytes, size_bytes, warmup_steps)
 
-EXIT_OOM = 3
-RETRIES = 3  # a planned step that runs out of memory is run again this many times, each keeping less  # exit status when the GPU runs out of memory (bench scripts test for it)
+EXIT_OOM = 3           # exit status when the GPU runs out of memory (bench scripts test for it)
+EXIT_INTERRUPTED = 130  # exit status after Ctrl-C (SIGINT): 128 + 2, as a shell reports a run it ended
+RETRIES = 3  # a planned step that runs out of memory is run again this many times, each keeping less
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during training; its text says how many steps were done and which
+    checkpoint --resume continues from."""
 
 
 # --- setup -------------------------------------------------------------------------------------
@@ -101,13 +107,6 @@ def _tag_context(args: argparse.Namespace, name: str):
     from contextlib import nullcontext
 
     return nullcontext()
-
-
-def _device_used(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -205,75 +204,6 @@ def train_loop(args, step_fn, source, first_step: int, on_step_done, retry=None)
                         loss=f"{loss:.4f}")
         on_step_done(step + 1)
     return losses, seconds
-
-
-def memory_report(args, device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"peak_bytes": None, "peak_reserved_bytes": None}
-    if args.allocator == "um":
-        import um_alloc
-
-        stats = um_alloc.memory_stats()
-        return {"peak_bytes": stats["peak_live_bytes"], "peak_reserved_bytes": stats["peak_reserved_bytes"],
-                "budget_bytes": stats.get("budget_bytes") or None, "memory_stats": stats}
-    return {"peak_bytes": torch.cuda.max_memory_allocated(device),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
-
-
-def summarize(args, device, first_step, losses, seconds, streamer, limit, used_before) -> dict:
-    timed = seconds[args.warmup_steps:]  # check_args keeps at least one step timed
-    step_s = statistics.median(timed)
-    bf16 = device.type == "cuda" and not args.no_bf16
-    summary = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "workload": f"bert-{args.model}-mlm-seq{args.seq_len}-{'bf16' if bf16 else 'fp32'}"
-                    + ("-text" if args.data else "-synthetic"),
-        "method": "um_alloc" if args.allocator == "um" else "stock",
-        "policy": (args.policy or os.environ.get("UM_POLICY") or "none.yaml") if args.allocator == "um" else None,
-        "batch": args.batch_size,
-        "micro_batch": streamer.last_micro_batch_size if streamer is not None else None,
-        "seq_len": args.seq_len, "bf16": bf16, "memory_limit_bytes": limit,
-        "first_step": first_step, "steps": len(losses), "timed_steps": len(timed), "step_s": seconds,
-        "step_s_median": step_s, "samples_per_s": args.batch_size / step_s,
-        "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-    }
-    summary.update(memory_report(args, device))
-    used_after = _device_used(device)
-    summary["device_used_delta_bytes"] = used_after - used_before if used_before is not None else None
-    return summary
-
-
-def print_summary(summary: dict, allocator: str) -> None:
-    gib = lambda n: "n/a" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
-    micro = f" in micro-batches of {summary['micro_batch']}" if summary["micro_batch"] else ""
-    print(f"\n{summary['workload']} on {summary['device']} ({summary['method']}), batch {summary['batch']}{micro}")
-    print(f"  steps {summary['first_step']}..{summary['first_step'] + summary['steps'] - 1} "
-          f"({summary['timed_steps']} timed): median step {summary['step_s_median']:.3f} s, "
-          f"{summary['samples_per_s']:.1f} samples/s")
-    print(f"  loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
-    print(f"  peak memory {gib(summary['peak_bytes'])} live, {gib(summary['peak_reserved_bytes'])} reserved")
-    if summary.get("plan_table"):
-        planned = summary["planner"].get("plan", {})
-        measured = summary["planner"].get("measured_step_s")
-        print(f"  block planner: predicted step {1e3 * planned.get('predicted_step_s', 0):.1f} ms"
-              + (f", measured {1e3 * measured:.1f} ms" if measured else ""))
-        print("  " + summary["plan_table"].replace("\n", "\n  "))
-    offload = summary.get("activation_offload")
-    if offload:
-        print(f"  activation offload (last step): saved {gib(offload['saved_bytes'])}, kept "
-              f"{gib(offload['kept_bytes'])} on the GPU, rebuilt {gib(offload['rebuilt_bytes'])} in backward, "
-              f"moved {gib(offload['out_bytes'])} each way")
-    phases = summary.get("phase_s_median")
-    if phases:
-        print("  median phases: " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in phases.items()))
-    rates = summary.get("link_rates")
-    if rates:
-        print(f"  pinned-host link: {rates['d2h_GBps']:.1f} GB/s to the host, {rates['h2d_GBps']:.1f} GB/s back")
-    if allocator == "um" and summary["peak_bytes"] is not None:
-        import um_alloc
-
-        print(um_alloc.memory_summary())
 
 
 def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
@@ -378,24 +308,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
-    used_before = _device_used(device)
+    used_before = device_used(device)
     try:
         model, optimizer, planner = build_training(args, source.vocab_size, device)
     except BudgetBelowFloor as error:
         parser.error(str(error))
     first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
     del checkpoint
+    progress = Progress(args.steps, args.checkpoint, done=first_step, saved=first_step if args.resume else None)
 
     def on_step_done(done: int) -> None:
+        progress.done = done
         if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
-            save_checkpoint(args.checkpoint, checkpoint_state(done, model, optimizer, source, device, args))
+            progress.save(checkpoint_state(done, model, optimizer, source, device, args))
 
     step_fn, streamer, offload, clock = build_step(args, model, optimizer, device, limit, window)
     rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
     step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
     step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
     retry = (lambda: optimizer.zero_grad(set_to_none=True)) if planner else None
-    losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry)
+    try:
+        losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry)
+    except KeyboardInterrupt as interrupt:
+        raise TrainingInterrupted(progress.interrupted_text()) from interrupt
     summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
     summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing), **profiler.finish(args.warmup_steps))
     if planner is not None:
@@ -412,14 +347,25 @@ def main(argv: list[str] | None = None) -> dict:
     return write_summary(summary, args, profiler)
 
 
-if __name__ == "__main__":
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: main(), and for a run that ends early an exit status and one message
+    on stderr instead of a traceback (EXIT_OOM, EXIT_INTERRUPTED)."""
     try:
-        main()
+        main(argv)
     except torch.OutOfMemoryError as error:
         print(f"train.py: out of GPU memory: {error}\nhint: lower --batch-size, raise --memory-limit, stream "
               "micro-batches with --micro-batch auto, or under a --budget try --policy large_batch.yaml",
               file=sys.stderr)
-        sys.exit(EXIT_OOM)
+        return EXIT_OOM
+    except KeyboardInterrupt as interrupt:  # a bare one came before the first step or after the last
+        print(f"\n{interrupt}" if isinstance(interrupt, TrainingInterrupted)
+              else "\ntrain.py: interrupted before the first step or after the last", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    sys.exit(cli())

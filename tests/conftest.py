@@ -21,21 +21,53 @@ def cuda_device():
     return 0
 
 
+def checkout_env() -> dict:
+    """This process's environment with this checkout first on PYTHONPATH."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+
 def run_gpu_script(script, *args, timeout: float = 600) -> dict:
     """Runs a script of tests/gpu_scripts in a fresh process (um_alloc installs before CUDA starts),
     with this checkout importable, and returns the JSON object it prints last."""
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=checkout_env())
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def interrupt_when_paused(script, *args, directory, timeout: float = 600) -> tuple[int | None, str]:
+    """Runs `script` (tests/gpu_scripts/interrupted_train.py) with --paused, sends it SIGINT once it
+    has paused, and returns (exit status, its stderr); None for a status if it had to be killed.
+    Its output goes to files in `directory`: a full pipe would stall it before it paused."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    paused = directory / "paused"
+    with open(directory / "stdout", "w") as out, open(directory / "stderr", "w") as err:
+        child = subprocess.Popen([sys.executable, str(script), "--paused", str(paused), *map(str, args)],
+                                 stdout=out, stderr=err, env=checkout_env())
+        deadline = time.monotonic() + timeout
+        while not paused.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if paused.exists():
+            child.send_signal(signal.SIGINT)
+        try:
+            status = child.wait(timeout=120)  # an interrupted run that does not end within it hangs
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            status = None
+    return status, (directory / "stderr").read_text()
 
 
 @pytest.fixture

@@ -154,3 +154,48 @@ def test_calibration_times_each_units_backward_on_both_clocks():
     assert blocks and all(u.backward_s > 0 and u.backward_cpu_s > 0 for u in blocks)
     assert all(u.recompute_s > 0 for u in blocks)  # the safe mode recomputes every block
     planner.remove()
+
+
+def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller_one_trains():
+    """The safe mode runs out of memory twice for one input shape: the planner refuses that shape,
+    naming it, and stays attached; a smaller batch calibrates, plans and trains as a fresh model would."""
+    from um_alloc.planner import PlanInfeasible
+
+    def too_large(module, args):  # inside a unit's forward, where the step learns it ran out
+        if args[0].shape[0] > 4:
+            raise torch.OutOfMemoryError("stand-in: the budget is spent")
+
+    def train(model, optimizer, steps):
+        losses, data = [], torch.Generator().manual_seed(2)
+        for _ in range(steps):
+            ids = torch.randint(0, 97, (2, 16), generator=data)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "1GiB")
+    model.bert.encoder.layer[1].attention.register_forward_pre_hook(too_large)
+    big = torch.randint(0, 97, (8, 16))
+    errors = []
+    for _ in range(3):
+        with pytest.raises((torch.OutOfMemoryError, PlanInfeasible)) as info:
+            model(input_ids=big, labels=big).loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        errors.append(info.value)
+    assert [type(e) for e in errors] == [torch.OutOfMemoryError, torch.OutOfMemoryError, PlanInfeasible]
+    assert "ran out of memory 2 times for input 8x16, 8x16" in str(errors[-1])
+    losses = train(model, optimizer, 4)
+    assert planner.plan is not None  # calibrated and planned: the refused shape left no trace
+
+    fresh = tiny_bert(dropout=0.0).float()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    fresh_planner = BlockPlanner(fresh, "1GiB")
+    assert losses == train(fresh, fresh_optimizer, 4)
+    planner.remove()
+    fresh_planner.remove()
+

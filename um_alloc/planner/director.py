@@ -133,8 +133,9 @@ class BlockPlanner:
         shape = self._shapes.setdefault(signature, _Shape())
         if shape.failures >= 2:
             raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
-                                 "activations in host memory) ran out of memory for this input shape; lower "
-                                 "the batch or keep optimizer state in host memory (host_optimizer.yaml)", 0)
+                                 f"activations in host memory) ran out of memory {shape.failures} times for "
+                                 f"input {_shape_text(signature)}; lower the batch or keep optimizer state in "
+                                 "host memory (host_optimizer.yaml)", 0)
         if shape.plan is not None:
             self._current = shape.plan
             self._note_start(shape.plan)
