@@ -9,12 +9,17 @@ Methods (each examples/hf_trainer_gpt2.py in a process of its own, bf16, seq 102
   planner                 um_alloc's UMAllocCallback with the budget: the block planner
   launcher                python -m um_alloc run --budget ...: the same, with no um_alloc line in the script
 
+With --repeats N the methods run N times, alternated (stock, gradient_checkpointing, planner,
+launcher, stock, ...), so that a drift of the GPU's clocks or the host's load falls on all of them;
+each record then holds every run's samples/s and, as its own, their median.
+
 Records share one run_id and go to bench/results/RUN_ID/trainer_gpt2_<budget>.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from harness import RESULTS, child_env, new_run_id, ratio, write_result
 
+from um_alloc.device_info import device_memory
 from um_alloc.sizes import format_size, parse_size
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer_gpt2.py"
@@ -30,8 +36,7 @@ METHODS = ("stock", "gradient_checkpointing", "planner", "launcher")
 
 
 def command(method: str, args, result: Path, report: Path) -> list[str]:
-    common = ["--batch-size", str(args.batch), "--steps", str(args.steps), "--warmup-steps", str(args.warmup),
-              "--json", str(result)]
+    common = example_args(args, result)
     if method == "stock":
         return [sys.executable, str(EXAMPLE), *common]
     if method == "gradient_checkpointing":
@@ -42,30 +47,76 @@ def command(method: str, args, result: Path, report: Path) -> list[str]:
             str(EXAMPLE), *common]
 
 
-def run(method: str, args, run_id: str, budget: int) -> dict:
+def example_args(args, result: Path) -> list[str]:
+    """The example's workload flags, the same for every method."""
+    return ["--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+            "--warmup-steps", str(args.warmup), "--json", str(result)]
+
+
+def run_example(make_command, timeout: float) -> tuple[dict, dict, str]:
+    """One run in a process of its own: (the example's result, the launcher's --json report,
+    "ok" or "failed: why"). `make_command(result, report)` gives the command line."""
     with tempfile.TemporaryDirectory() as tmp:
         result, report = Path(tmp) / "result.json", Path(tmp) / "report.json"
         try:
-            done = subprocess.run(command(method, args, result, report), capture_output=True, text=True,
-                                  timeout=args.timeout, env=child_env())
+            done = subprocess.run(make_command(result, report), capture_output=True, text=True, timeout=timeout,
+                                  env=child_env())
             failed = done.returncode != 0 or not result.exists()
             reason = (done.stderr.strip().splitlines() or ["no output"])[-1] if failed else ""
         except subprocess.TimeoutExpired:
-            failed, reason = True, f"timed out after {args.timeout:.0f} s"
+            failed, reason = True, f"timed out after {timeout:.0f} s"
         summary = {} if failed else json.loads(result.read_text())
         extra = json.loads(report.read_text()) if report.exists() else {}
-    record = {"run_id": run_id, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "workload": f"gpt2-medium-seq{args.seq_len}-bf16-trainer", "method": method, "batch": args.batch,
-              "budget_bytes": None if method == "stock" else budget,
-              "samples_per_s": summary.get("samples_per_s"), "step_s_median": summary.get("step_s_median"),
-              "highwater_bytes": summary.get("nvml_highwater_bytes"), "losses": summary.get("losses"),
-              "status": "failed: " + reason[:300] if failed else "ok"}
+    return summary, extra, "failed: " + reason[:300] if failed else "ok"
+
+
+def merged(runs: list[tuple[dict, dict, str]]) -> dict:
+    """One method's runs as one record's figures: the median samples/s and step time of the runs
+    that ended well (each run's own is the median of its steps), the highest high-water, the
+    first run's losses and plan."""
+    good = [(summary, extra) for summary, extra, status in runs if status == "ok"]
+    rates = [s["samples_per_s"] for s, _ in good if s.get("samples_per_s")]
+    steps = [s["step_s_median"] for s, _ in good if s.get("step_s_median")]
+    highwater = [s["nvml_highwater_bytes"] for s, _ in good if s.get("nvml_highwater_bytes") is not None]
+    failures = [status for _, _, status in runs if status != "ok"]
+    figures = {"samples_per_s": statistics.median(rates) if rates else None,
+               "step_s_median": statistics.median(steps) if steps else None,
+               "highwater_bytes": max(highwater) if highwater else None,
+               "losses": good[0][0].get("losses") if good else None,
+               "status": failures[0] if failures else "ok"}
+    if len(runs) > 1:
+        figures["samples_per_s_runs"] = [s.get("samples_per_s") if status == "ok" else None for s, _, status in runs]
+    summary, extra = good[0] if good else ({}, {})
     plan = (extra.get("planner") or {}).get("plan") or summary.get("plan")
     if plan:
-        record.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"))
-    print(f"[{method}] {record['samples_per_s'] or 0:.1f} samples/s, high-water "
-          f"{format_size(record['highwater_bytes'] or 0)} {'' if not failed else record['status']}", flush=True)
-    return record
+        figures.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"))
+    return figures
+
+
+def alternated(methods: list[str], repeats: int, run_one) -> dict[str, list]:
+    """run_one(method) for each method in turn, `repeats` times over: {method: [its runs]}."""
+    runs: dict[str, list] = {m: [] for m in methods}
+    for _ in range(repeats):
+        for method in methods:
+            runs[method].append(run_one(method))
+            summary, _, status = runs[method][-1]
+            print(f"[{method}] {summary.get('samples_per_s') or 0:.1f} samples/s, high-water "
+                  f"{format_size(summary.get('nvml_highwater_bytes') or 0)} {'' if status == 'ok' else status}",
+                  flush=True)
+    return runs
+
+
+def device_name() -> str | None:
+    """The GPU's name from NVML (this process starts no CUDA), None without one."""
+    memory = device_memory(0)
+    return None if memory is None else memory.name
+
+
+def record(method: str, runs: list, args, run_id: str, budget: int | None) -> dict:
+    return {"run_id": run_id, "device": device_name(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "workload": f"gpt2-medium-seq{args.seq_len}-bf16-trainer", "method": method, "batch": args.batch,
+            "budget_bytes": budget, "runs": len(runs), **merged(runs)}
 
 
 def main(argv=None) -> int:
@@ -77,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=6, help="first steps left out of the median (the planner "
                    "calibrates in the first two)")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--repeats", type=int, default=1, help="runs of each method, alternated")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -87,8 +139,12 @@ def main(argv=None) -> int:
         p.error(f"--methods: unknown {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1; got {args.repeats}")
     run_id = new_run_id("trainer")
-    records = [run(m, args, run_id, budget) for m in methods]
+    runs = alternated(methods, args.repeats, lambda method: run_example(
+        lambda result, report: command(method, args, result, report), args.timeout))
+    records = [record(m, runs[m], args, run_id, None if m == "stock" else budget) for m in methods]
     stock = next((r["samples_per_s"] for r in records if r["method"] == "stock"), None)
     peer = next((r["samples_per_s"] for r in records if r["method"] == "gradient_checkpointing"), None)
     for r in records:

@@ -9,7 +9,7 @@ The model is built from GPT-2-medium's config (no weights are downloaded) and th
 tokens, so the run needs no network. --tiny builds a two-layer model for tests (runs on the CPU
 with --cpu). The last line of stdout is one JSON object: losses, median step time, samples/s,
 and the GPU memory NVML saw in use at the end beyond the start (the high-water mark: the driver
-keeps pages once used). Needs transformers and accelerate.
+keeps pages once used), and with --budget the callback's plan. Needs transformers and accelerate.
 """
 from __future__ import annotations
 
@@ -104,6 +104,9 @@ def main(argv=None) -> dict:
               "samples_per_s": args.batch_size / step_s if step_s else None,
               "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
               "nvml_highwater_bytes": None if used_before is None or used_after is None else used_after - used_before}
+    planner = callbacks[0].planner if callbacks else None
+    if planner is not None and planner.plan is not None:
+        result["plan"] = planner.plan.to_dict()
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)

@@ -5,8 +5,10 @@
     python examples/lightning_gpt2.py --budget 12GiB --deterministic --dropout 0   # compare losses with stock
 
 The model is built from GPT-2-medium's config (no weights are downloaded; --tiny: two layers, for
-tests) and the data is random tokens. The last line of stdout is one JSON object with the losses.
-With --deterministic and --dropout 0 the losses under a budget are stock PyTorch's, exactly.
+tests) and the data is random tokens. The last line of stdout is one JSON object: the losses and,
+with --budget, the plan's decisions (how many units it keeps, recomputes, moves).
+With --deterministic and --dropout 0 the losses under a budget are stock PyTorch's, exactly
+(tests/test_gpu_lightning.py compares them).
 Needs lightning and transformers.
 """
 from __future__ import annotations
@@ -72,7 +74,9 @@ def main(argv=None) -> list[float]:
                          precision="32-true" if args.cpu else "bf16-mixed", deterministic=args.deterministic,
                          callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(lit, torch.utils.data.DataLoader(ids, batch_size=args.batch_size))
-    print(json.dumps({"budget": args.budget, "losses": lit.losses}))
+    planner = callbacks[0].planner if callbacks else None
+    plan = planner.plan.counts() if planner is not None and planner.plan is not None else None
+    print(json.dumps({"budget": args.budget, "losses": lit.losses, "plan": plan}))
     return lit.losses
 
 

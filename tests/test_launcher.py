@@ -201,6 +201,43 @@ def test_without_a_budget_nothing_is_planned_and_the_losses_are_the_scripts(tmp_
     assert launched == plain
 
 
+STEPS_SEEN = """
+    import json, torch, transformers
+    from torch.nn.modules import module
+    from torch.optim import optimizer as optim
+    from um_alloc.planner import planner_of
+
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    seen = []
+    for step in range(4):
+        ids = torch.randint(0, 97, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()  # keyword arguments only, as Trainer calls a model
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seen.append({"planned": planner_of(model).plan is not None,
+                     "module_hooks": len(module._global_forward_pre_hooks) + len(module._global_forward_hooks),
+                     "optimizer_hooks": len(optim._global_optimizer_pre_hooks) + len(optim._global_optimizer_post_hooks),
+                     "step_hooks": len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)})
+    print(json.dumps(seen))
+    """
+
+
+def test_the_launchers_steps_are_the_explicit_planners_once_the_model_is_found(tmp_path, fake_install, clean_process,
+                                                                               capsys):
+    """After the first forward every step runs as under um_alloc.plan() and tag_training(): the
+    same calibration (two steps, then the plan, as in test_planner_replay), no global module
+    hook left, and per step one pre- and one post-hook around the optimizer's step."""
+    script = write(tmp_path, "steps.py", STEPS_SEEN)
+    assert launch(Target(str(script), None, ()), budget="1GiB") == 0
+    seen = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [s["planned"] for s in seen] == [False, False, True, True]
+    assert all(s["module_hooks"] == 0 for s in seen)
+    assert all(s["optimizer_hooks"] + s["step_hooks"] == 2 for s in seen)
+
+
 def test_a_wrong_first_guess_is_corrected_at_the_first_optimizer_step(tmp_path, fake_install, clean_process, capsys):
     script = write(tmp_path, "two.py", """
         import torch

@@ -23,7 +23,7 @@ class Fixed:
     def __init__(self, decisions):
         self.decisions, self.ended = decisions, []
 
-    def begin(self, signature):
+    def begin(self, signature, partial=False):
         return StepSpec(self.decisions)
 
     def end(self, step, completed):
@@ -113,6 +113,36 @@ def test_the_planner_attaches_to_a_plain_loop_and_plans_after_two_steps():
     assert "predicted step" in planner.table()
     assert planner.to_dict()["plan"]["decisions"] == {"keep": len(planner.units) + 1}
     planner.remove()
+
+
+@pytest.mark.parametrize("first, planned", [((4, 16), [False, False, True, True]),
+                                            ((2, 8), [False, False, False, True])])
+def test_a_step_begun_from_a_global_hook_counts_for_the_next_input_if_its_positional_tensors_agree(first, planned):
+    """As um_alloc run attaches: inside the first forward's global pre-hook, which sees the
+    positional arguments only. That step calibrates the next step's input unless its positional
+    tensors show another one."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    attached = []
+
+    def attach(module, args):
+        if module is model and not attached:
+            attached.append(BlockPlanner(model, "1GiB"))
+            attached[0].begin_forward(args)
+
+    handle = register_module_forward_pre_hook(attach)
+    seen = []
+    for step in range(4):
+        ids = torch.randint(0, 97, first if step == 0 else (4, 16))
+        model(ids, labels=ids).loss.backward()
+        handle.remove()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(attached[0].plan is not None)
+    assert seen == planned
+    attached[0].remove()
 
 
 def test_evaluation_without_gradients_leaves_the_training_step_alone():

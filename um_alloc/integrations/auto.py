@@ -69,7 +69,9 @@ class AutoAttach:
                  ", planned per block" if self.planner else "")
         if self._own_planner and self.model is module:
             # Its own hooks were added inside this forward's hooks: they run from the next call.
-            self.planner.begin_forward(args, {})
+            # A global pre-hook sees no keyword arguments: the planner counts this step for the
+            # input of the next, as it would have counted it under its own hooks.
+            self.planner.begin_forward(args)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         tags = self._step_tags.get(optimizer)

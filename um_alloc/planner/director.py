@@ -40,7 +40,7 @@ from ..wrappers import unwrap_model
 from .blocks import Unit, find_units
 from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict, evaluate, make_plan
 from .record import MemoryProbe, StepRecorder, link_rate
-from .replay import Runtime, Step, StepSpec
+from .replay import Runtime, Step, StepSpec, input_signature
 
 __all__ = ["BlockPlanner", "plan", "planner_of", "STRATEGIES"]
 
@@ -117,6 +117,7 @@ class BlockPlanner:
         self._link: float | None = None
         self._shapes: dict[tuple, _Shape] = {}
         self._pending: tuple[_Shape, StepRecorder] | None = None
+        self._unkeyed: tuple[tuple, _Shape] | None = None  # a step's shape known only in part (begin_forward)
         self._starts: list[tuple[Plan, object]] = []
         self._current: Plan | None = None
         self._ooms = self._probe.out_of_memory_count()
@@ -128,9 +129,9 @@ class BlockPlanner:
 
     # -- the director: what each step does --
 
-    def begin(self, signature: tuple) -> StepSpec:
+    def begin(self, signature: tuple, partial: bool = False) -> StepSpec:
         self._close_calibration()
-        shape = self._shapes.setdefault(signature, _Shape())
+        shape = self._shape(signature, partial)
         if shape.failures >= 2:
             raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
                                  f"activations in host memory) ran out of memory {shape.failures} times for "
@@ -143,13 +144,27 @@ class BlockPlanner:
         first = shape.calibrated == 0
         if first:
             log.info("planner: measuring %d steps in the safe mode for input %s", CALIBRATION_STEPS,
-                     _shape_text(signature))
+                     "of the next step (this one's keyword arguments are not seen)" if partial
+                     else _shape_text(signature))
         recorder = StepRecorder(self.device, self._probe, len(self.units) + 1)
         self._pending = (shape, recorder)
         if self.device.type == "cuda":
             self._runtime.transfers.time_copies()
         safe = tuple(SAFE[u.kind] for u in self.units) + (SAFE["gap"],)
         return StepSpec(safe, recorder, count_ops=first, full_recompute=True, owner=shape)
+
+    def _shape(self, signature: tuple, partial: bool) -> _Shape:
+        """The record of this input. A step whose keyword arguments were not seen (`partial`:
+        begun by begin_forward) is kept aside and counted as the next step's input when that
+        one's tensors start with its own: that is the case for a model called as
+        ``model(**batch)``, and its first step then calibrates as under the planner's own hooks."""
+        unkeyed, self._unkeyed = self._unkeyed, None
+        if partial:
+            self._unkeyed = (signature, _Shape())
+            return self._unkeyed[1]
+        if unkeyed is not None and signature not in self._shapes and signature[:len(unkeyed[0])] == unkeyed[0]:
+            self._shapes[signature] = unkeyed[1]
+        return self._shapes.setdefault(signature, _Shape())
 
     def end(self, step: Step, completed: bool) -> None:
         if completed:
@@ -257,10 +272,12 @@ class BlockPlanner:
         if _ATTACHED.get(self._runtime.model) is self:
             del _ATTACHED[self._runtime.model]
 
-    def begin_forward(self, args: tuple, kwargs: dict) -> None:
+    def begin_forward(self, args: tuple, kwargs: dict | None = None) -> None:
         """Begins a step for the model's forward already under way. For a planner attached from
-        inside that forward's global hooks (um_alloc run's), whose own hooks run from the next call."""
-        self._runtime._begin(self._runtime.model, args, kwargs)
+        inside that forward's global hooks (um_alloc run's), whose own hooks run from the next call.
+        `kwargs` None: not known (PyTorch's global pre-hooks see only positional arguments); the
+        step then counts for the input of the next step (see _shape)."""
+        self._runtime.begin_step(input_signature(args, kwargs or {}), partial=kwargs is None)
 
     def _note_start(self, current: Plan) -> None:
         if self.device.type != "cuda":

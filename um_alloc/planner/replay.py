@@ -45,7 +45,7 @@ from .planning import Decision
 from .record import StepRecorder
 from .rebuilt import RebuiltSaves
 
-__all__ = ["Runtime", "StepSpec", "SAVED_OPS"]
+__all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 
 MiB = 1 << 20
 
@@ -79,7 +79,7 @@ def _draws_random(func, args, kwargs) -> bool:
 
 
 class Director(Protocol):
-    def begin(self, signature: tuple) -> "StepSpec | None": ...
+    def begin(self, signature: tuple, partial: bool = False) -> "StepSpec | None": ...
     def end(self, step: "Step", completed: bool) -> None: ...
 
 
@@ -211,11 +211,16 @@ class Runtime:
     # -- steps --
 
     def _begin(self, module, args, kwargs) -> None:
+        self.begin_step(input_signature(args, kwargs))
+
+    def begin_step(self, signature: tuple, partial: bool = False) -> None:
+        """A forward of the root begins: the root's pre-hook, or a caller whose hooks see only
+        the positional arguments (`partial`: `signature` is theirs alone; the director decides)."""
         if not torch.is_grad_enabled():
             self._step = None  # evaluation: the units run as they are; an open step stays open
             return
         self.close_open_step()
-        spec = self.director.begin(_signature(args, kwargs))
+        spec = self.director.begin(signature, partial)
         if spec is None:
             self._step = None
             return
@@ -414,6 +419,6 @@ def _unpark(value):
     return value.value() if isinstance(value, _Parked) else value
 
 
-def _signature(args, kwargs) -> tuple:
+def input_signature(args, kwargs) -> tuple:
     """The shapes and dtypes of a forward's tensor arguments: a new one gets a new plan."""
     return tuple((tuple(t.shape), t.dtype) for t in _tensors([args, kwargs]))
