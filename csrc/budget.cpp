@@ -38,6 +38,7 @@ void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
       c.gpu_backed = true;
       stats_.backed_bytes += n;
       stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
+      device_live_.backed_peak = std::max(device_live_.backed_peak, stats_.backed_bytes);
     }
   } else {
     resident_bucket(c) -= n;

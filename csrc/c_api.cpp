@@ -137,6 +137,12 @@ void um_pool_device_live(um_pool* pool, uint64_t* live, uint64_t* peak) {
   *peak = now.peak;
 }
 
+void um_pool_device_backed(um_pool* pool, uint64_t* backed, uint64_t* peak) {
+  const um::DeviceLive now = pool->pool->device_live();
+  *backed = now.backed;
+  *peak = now.backed_peak;
+}
+
 void um_pool_reset_device_peak(um_pool* pool) { pool->pool->reset_device_peak(); }
 
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy) {

@@ -540,12 +540,15 @@ void ChunkPool::move_accounting(Block* b, Tag to_tag) {
 
 DeviceLive ChunkPool::device_live() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return device_live_;
+  DeviceLive now = device_live_;
+  now.backed = stats_.backed_bytes;
+  return now;
 }
 
 void ChunkPool::reset_device_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   device_live_.peak = device_live_.live;
+  device_live_.backed_peak = stats_.backed_bytes;
 }
 
 um_stats ChunkPool::stats() const {

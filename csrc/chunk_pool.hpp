@@ -104,6 +104,8 @@ using FreeSet = std::set<Block*, BySizeThenAddress>;
 
 struct DeviceLive {
   uint64_t live = 0, peak = 0;
+  // GPU-backed bytes (what a hard budget counts: live or not) and their peak, over the same span.
+  uint64_t backed = 0, backed_peak = 0;
 };
 
 struct AllocError {

@@ -81,6 +81,8 @@ void um_pool_stats(um_pool* pool, um_stats* out);
  * um_pool_reset_device_peak; cheaper than um_pool_stats, for reading around each block of a step. */
 void um_pool_device_live(um_pool* pool, uint64_t* live, uint64_t* peak);
 void um_pool_reset_device_peak(um_pool* pool);
+/* GPU-backed bytes (live or free: what a hard budget counts) and their peak since the same reset. */
+void um_pool_device_backed(um_pool* pool, uint64_t* backed, uint64_t* peak);
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
 const char* um_pool_backend_error(um_pool* pool);
 

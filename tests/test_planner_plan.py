@@ -153,3 +153,25 @@ def test_a_selective_recomputation_saves_gpu_time_but_not_the_hosts():
     roomy = UnitCost("layer", "block", forward_s=1.2e-3, recompute_s=1.2e-3, matmul_s=0.9e-3,
                      recompute_cpu_s=2.0e-3, backward_s=9e-3, backward_cpu_s=2.8e-3)
     assert roomy.cost_s(Decision.SELECTIVE) == pytest.approx(0.3e-3)
+
+
+def test_memory_held_beyond_live_is_the_steps_own(tmp_path):
+    """Chunks a larger batch left backed are reused by the next step: they are not counted as held
+    beyond live, where chunks the step itself backs beyond its live peak are."""
+    import torch
+    from um_alloc.planner.record import MemoryProbe
+    from um_alloc.pool import ChunkPool
+
+    mib = 1 << 20
+    pool = ChunkPool.host(2 * mib, 16 * mib)
+    probe = MemoryProbe(torch.device("cpu"))
+    probe._pool = pool
+    big = [pool.malloc(2 * mib) for _ in range(4)]   # a larger batch: 8 MiB backed
+    for ptr in big:
+        pool.free(ptr)
+    probe.begin_step()
+    small = pool.malloc(2 * mib)                     # the next step fits in what is backed
+    live, peak = probe.look()
+    assert probe.held_beyond_live(peak) == 0
+    pool.free(small)
+    pool.close()

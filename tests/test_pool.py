@@ -598,3 +598,13 @@ def test_device_live_counts_gpu_tags_and_its_peak_resets(make_pool):
     assert pool.device_live() == (0, 100)
     pool.retag(host, "activation")  # into GPU memory: counted, and the peak follows
     assert pool.device_live() == (4 * MiB, 4 * MiB)
+
+
+def test_device_backed_counts_free_chunks_and_its_peak_starts_over(make_pool):
+    pool = make_pool()
+    a = pool.malloc(4 * MiB)
+    pool.free(a)
+    pool.reset_device_peak()
+    assert pool.device_live() == (0, 0)
+    backed, peak = pool.device_backed()
+    assert backed == peak == pool.raw_stats()["backed_bytes"] > 0  # free, still backed

@@ -157,8 +157,15 @@ class ChunkPool:
         self._lib.um_pool_device_live(self._handle, ctypes.byref(live), ctypes.byref(peak))
         return live.value, peak.value
 
+    def device_backed(self) -> tuple[int, int]:
+        """(backed, peak): bytes of chunks backed by GPU memory, live or free (what a hard budget
+        counts), and their peak since reset_device_peak()."""
+        backed, peak = ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.um_pool_device_backed(self._handle, ctypes.byref(backed), ctypes.byref(peak))
+        return backed.value, peak.value
+
     def reset_device_peak(self) -> None:
-        """Starts device_live()'s peak over from the bytes live now."""
+        """Starts device_live()'s and device_backed()'s peaks over from the bytes now."""
         self._lib.um_pool_reset_device_peak(self._handle)
 
     def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True,

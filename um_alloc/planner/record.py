@@ -30,11 +30,19 @@ class MemoryProbe:
     def __init__(self, device: torch.device):
         self.device = device
         self._pool = ChunkPool.for_device(device.index) if device.type == "cuda" and is_installed() else None
+        self._backed_start = self._backed_peak = 0   # the pool's GPU-backed bytes, this step
+
+    def begin_step(self) -> None:
+        """A measured step begins: what the pool holds backed from here on is this step's."""
+        if self._pool is not None:
+            self._pool.reset_device_peak()
+            self._backed_start, self._backed_peak = self._pool.device_backed()
 
     def look(self) -> tuple[int, int]:
         """(live now, peak since the previous look); the peak starts over."""
         if self._pool is not None:
             live, peak = self._pool.device_live()
+            self._backed_peak = max(self._backed_peak, self._pool.device_backed()[1])
             self._pool.reset_device_peak()
             return live, peak
         if self.device.type == "cuda":
@@ -44,10 +52,13 @@ class MemoryProbe:
         return 0, 0
 
     def held_beyond_live(self, live_peak: int) -> int:
-        """What the allocator held on the GPU beyond live bytes, at most, since it started: chunks
-        the pool backs but does not fill, or the caching allocator's cached blocks."""
+        """What the allocator held on the GPU beyond live bytes, at most: chunks the pool backs
+        but does not fill, or the caching allocator's cached blocks. The pool's are this step's:
+        its backed peak beyond the live peak, or beyond what it held backed when the step began,
+        which the step's allocations reuse (after a larger batch ran out of memory, the pool may
+        hold more backed than the next, smaller one ever fills)."""
         if self._pool is not None:
-            return max(self._pool.raw_stats()["peak_backed_bytes"] - live_peak, 0)
+            return max(self._backed_peak - max(live_peak, self._backed_start), 0)
         if self.device.type == "cuda":
             return max(torch.cuda.max_memory_reserved(self.device) - live_peak, 0)
         return 0
@@ -97,6 +108,7 @@ class StepRecorder:
         self.units = [_UnitSeen() for _ in range(n_units)]
         self._pairs: list[tuple[str, int, int, int]] = []  # (kind, unit, start mark, end mark)
         self._ops: list[tuple[int, object, object]] = []   # (unit, start, end) of kept ops
+        self.probe.begin_step()
         self.probe.look()
 
     def mark(self, label: str, unit: int | None = None) -> int:
