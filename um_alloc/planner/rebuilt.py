@@ -148,13 +148,26 @@ def _unpack(packed):
     return packed.tensor() if type(packed) is _Rebuilt else packed
 
 
+@dataclass
+class _Tried:
+    """A recipe rebuilt during a recomputation, its comparison with the tensor still on the GPU."""
+    place: int
+    recipe: Recipe
+    nbytes: int
+    storage: int
+    timing: tuple            # (start clock, end clock, host seconds) of building its base
+    differs: object          # a bool, or a one-element tensor the GPU fills in
+
+
 class RebuildProbe:
     """Calibration: inside one recomputation of a unit, which of its saved tensors rebuild byte
     for byte, what they weigh, and what their rebuilds take on both clocks.
 
     It wraps the saved-tensor hooks in force (the recomputation's own, torch.utils.checkpoint's):
     each tensor goes on to them unchanged. Where PyTorch does not say which hooks are in force, it
-    finds nothing and the plan rebuilds nothing."""
+    finds nothing and the plan rebuilds nothing. The comparisons are read once the recomputation
+    is over: read one by one, each would wait for the GPU, which would then sit idle inside the
+    next rebuild's timing while the host issued it."""
 
     def __init__(self, device: torch.device, min_bytes: int, timer):
         self._device, self._min_bytes = device, min_bytes
@@ -172,30 +185,50 @@ class RebuildProbe:
         outer_pack, outer_unpack = hooks
         call = _UnitCall(self._device, self._min_bytes)
         call.hold_inputs(values)
-        seen: dict[tuple, None] = {}   # bases built (their cost counts once), storages counted
+        tried: list[_Tried] = []
 
         def pack(tensor):
-            self._look(call, tensor, seen)
+            self._look(call, tensor, tried)
             return outer_pack(tensor)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), call.roots.mode():
             yield
         call.roots.clear()
+        self._settle(tried)
 
-    def _look(self, call: _UnitCall, tensor: torch.Tensor, seen: dict) -> None:
+    def _look(self, call: _UnitCall, tensor: torch.Tensor, tried: list) -> None:
         if not call.eligible(tensor):
             return
         place = call.place()
         recipe = call.recipe_for(tensor)
-        if recipe is None or not self._rebuilds_equal(recipe, tensor, seen):
+        if recipe is None:
             call.hold(tensor)
             self._note(place, None)
             return
-        self._note(place, recipe.signature())
-        storage = ("storage", tensor.untyped_storage().data_ptr())
-        if storage not in seen:
-            seen[storage] = None
-            self.rebuilt_bytes += tensor.numel() * tensor.element_size()
+        # Not held, as in replay, where it is rebuilt; should it turn out unequal, the recipes
+        # that could have read it are missed, which costs bytes, not correctness.
+        start, host = self._timer(), time.perf_counter()
+        with torch.no_grad():
+            base = recipe.build_base(_itself, tensor.device.type)
+        timing = (start, self._timer(), time.perf_counter() - host)
+        tried.append(_Tried(place, recipe, tensor.numel() * tensor.element_size(),
+                            tensor.untyped_storage().data_ptr(), timing, _differs(recipe.shape(base), tensor)))
+
+    def _settle(self, tried: list) -> None:
+        """The places whose rebuild came out equal; their bytes (a storage once) and the time of
+        their bases (a base once: in backward a shared one is built once)."""
+        storages, bases = set(), set()
+        for t in tried:
+            equal = not bool(t.differs)
+            self._note(t.place, t.recipe.signature() if equal else None)
+            if not equal:
+                continue
+            if t.storage not in storages:
+                storages.add(t.storage)
+                self.rebuilt_bytes += t.nbytes
+            if t.recipe.base_key not in bases:
+                bases.add(t.recipe.base_key)
+                self.timings.append(t.timing)
 
     def _note(self, place: int, signature) -> None:
         """Calls of one unit that disagree at a place: nothing is rebuilt there."""
@@ -203,24 +236,14 @@ class RebuildProbe:
             signature = None
         self.signatures[place] = signature
 
-    def _rebuilds_equal(self, recipe: Recipe, tensor: torch.Tensor, seen: dict) -> bool:
-        start, host = self._timer(), time.perf_counter()
-        with torch.no_grad():
-            base = recipe.build_base(_itself, tensor.device.type)
-        timing = (start, self._timer(), time.perf_counter() - host)
-        rebuilt = recipe.shape(base)
-        equal = (rebuilt.dtype == tensor.dtype and rebuilt.shape == tensor.shape
-                 and rebuilt.stride() == tensor.stride() and _same_bytes(rebuilt, tensor))
-        key = ("base", recipe.base_key)
-        if equal and key not in seen:  # in backward a shared base is built once
-            seen[key] = None
-            self.timings.append(timing)
-        return equal
 
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bits where both tensors cover their storages (what recipes rebuild)."""
-    return torch.equal(storage_bytes(a), storage_bytes(b))
+def _differs(rebuilt: torch.Tensor, tensor: torch.Tensor):
+    """Whether the bits differ where both tensors cover their storages (what recipes rebuild):
+    True, or a one-element tensor computed on the tensors' device without waiting for it."""
+    if rebuilt.dtype != tensor.dtype or rebuilt.shape != tensor.shape or rebuilt.stride() != tensor.stride():
+        return True
+    a, b = storage_bytes(rebuilt), storage_bytes(tensor)
+    return True if a.numel() != b.numel() else torch.ne(a, b).any()
 
 
 def _hooks_in_force():
