@@ -1,5 +1,7 @@
 """Replay on the CPU: every decision trains exactly as plain autograd does, and the planner
 attaches to a model without changes to the training loop."""
+import copy
+
 import pytest
 import torch
 
@@ -229,3 +231,25 @@ def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller
     planner.remove()
     fresh_planner.remove()
 
+
+
+def test_every_config_caches_nothing_while_attached_and_caches_again_after():
+    """T5's decoder holds a copy of the config: its cache, left on, would be appended to again by
+    each recomputed decoder block (a different number of saved tensors in the rerun)."""
+    config = transformers.T5Config(vocab_size=97, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).double().train()
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(2))
+    plain = copy.deepcopy(model)
+    plain.config.use_cache = plain.decoder.config.use_cache = False  # as under checkpointing: a cache
+    #                                                                 changes the rounding of training
+    plain_loss, plain_grads = gradients(plain, ids)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)), 1 << 20)
+    runtime.attach()
+    assert not model.config.use_cache and not model.decoder.config.use_cache
+    loss, planned = gradients(model, ids)
+    runtime.detach()
+    assert model.config.use_cache and model.decoder.config.use_cache
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain_grads))

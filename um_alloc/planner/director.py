@@ -18,8 +18,9 @@ Troubleshooting:
 - PlanInfeasible: the budget is below what the safe mode needs; the message gives the smallest
   budget that fits. Lower the batch, or keep optimizer state in host memory (host_optimizer.yaml).
 - A plan that runs out of memory: the next steps use a larger margin (``margin=`` sets the start).
-- Hugging Face models: ``config.use_cache`` is turned off, as their own gradient checkpointing does,
-  since a cache would be written again by each recomputation.
+- Hugging Face models: ``use_cache`` is turned off in every config the model holds (an
+  encoder-decoder's decoder has its own), as their own gradient checkpointing does, since a cache
+  would be written again by each recomputation; ``remove()`` turns it back on.
 """
 from __future__ import annotations
 
@@ -121,7 +122,6 @@ class BlockPlanner:
         self._starts: list[tuple[Plan, object]] = []
         self._current: Plan | None = None
         self._ooms = self._probe.out_of_memory_count()
-        _no_cache(model)
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss)
         self._runtime.attach()
@@ -346,13 +346,6 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _no_cache(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
-        log.info("planner: config.use_cache turned off (a recomputation would write the cache again)")
 
 
 def _shape_text(signature: tuple) -> str:

@@ -19,6 +19,10 @@ Outside every unit, while the root's forward runs, a large cross-entropy is comp
 chunks (lean_loss.LeanLoss: the same result, half the loss's memory): that is where a model
 computes its loss.
 
+While attached, every Hugging Face config the model holds has ``use_cache`` off (an encoder-decoder's
+decoder holds a copy of its own): a recomputation would append to the cache again. ``detach``
+turns it back on.
+
 A step begins at the root module's forward with gradients enabled and ends when autograd's
 backward has finished (a callback queued from the first gradient hook); a step whose backward never
 came is closed at the next forward. The director (the planner) gives each step its decisions and
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -48,6 +53,7 @@ from .rebuilt import RebuiltSaves
 __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 
 MiB = 1 << 20
+log = logging.getLogger("um_alloc.planner")
 
 
 def _aten_ops(*names: str) -> frozenset:
@@ -189,6 +195,7 @@ class Runtime:
         self._handles: list = []
         self.lean_loss = LeanLoss() if lean_loss else None
         self._outside: contextlib.ExitStack | None = None  # what runs outside every unit, in a step's forward
+        self._cached: list = []               # the configs whose use_cache attach turned off
 
     # -- attaching --
 
@@ -198,10 +205,14 @@ class Runtime:
             unit.module.forward = functools.partial(self._call, index, forward)
         self._handles = [self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
                          self.model.register_forward_hook(self._end_forward, always_call=True)]
+        self._cached = _caches_off(self.model)
 
     def detach(self) -> None:
         for unit in self.units:
             unit.module.__dict__.pop("forward", None)
+        for config in self._cached:
+            config.use_cache = True
+        self._cached = []
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -404,6 +415,20 @@ class Runtime:
                 buffer.copy_(before)
             if step.spec.recorder:
                 step.spec.recorder.pair("recompute", index, start, end)
+
+
+def _caches_off(model: nn.Module) -> list:
+    """Turns off use_cache in every config the model's modules hold; returns those it changed."""
+    changed: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True and id(config) not in changed:
+            config.use_cache = False
+            changed[id(config)] = config
+    if changed:
+        log.info("planner: use_cache turned off in %d config(s) (a recomputation would write the cache again)",
+                 len(changed))
+    return list(changed.values())
 
 
 def _autocast_uncached(device_type: str):
