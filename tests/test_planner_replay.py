@@ -253,3 +253,46 @@ def test_every_config_caches_nothing_while_attached_and_caches_again_after():
     runtime.detach()
     assert model.config.use_cache and model.decoder.config.use_cache
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain_grads))
+
+
+class _Shared(torch.nn.Module):
+    """Two blocks, each called twice a step (weights shared across depth)."""
+
+    def __init__(self):
+        super().__init__()
+        block = lambda: torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                            torch.nn.Dropout(0.1), torch.nn.Linear(32, 16))
+        self.blocks = torch.nn.ModuleList([block(), block()])
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for _ in range(2):
+            for block in self.blocks:
+                x = x + block(x).float()
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize("decision", [Decision.SELECTIVE, Decision.SELECTIVE_MOVED], ids=lambda d: d.value)
+def test_a_block_called_twice_under_autocast_recomputes_selectively(decision):
+    """Its second call finds its weights' casts in autocast's cache, its rerun casts them again:
+    the selective checkpoint must not count those casts against the forward's."""
+    from um_alloc.planner.blocks import Unit
+
+    def step(model):
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model, x = _Shared(), torch.randn(4, 16)
+    plain_loss, plain = step(model)
+    units = [Unit("blocks.0", model.blocks[0], "block"), Unit("blocks.1", model.blocks[1], "block")]
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed((decision, decision, Decision.KEEP)), 1 << 20,
+                      min_bytes=1)
+    runtime.attach()
+    loss, planned = step(model)
+    runtime.detach()
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))

@@ -9,8 +9,8 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
   outside every unit (its loss) moves the same way when the plan's last decision says so. Only
   what moves pays for the hooks: a Python call per saved tensor.
 - recompute / selective: it runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state kept, so
-  dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint policy, which keeps
-  the outputs of matmuls, convolutions and attention and recomputes the rest. BatchNorm's running
+  dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint modes (selective.py),
+  which keep the outputs of matmuls, convolutions and attention and recompute the rest. BatchNorm's running
   statistics are not updated a second time by the recomputation.
 - ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
   after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
@@ -38,9 +38,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    set_checkpoint_early_stop)
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..offload import ActivationOffload
 from ..tensor_trees import tensors as _tensors
@@ -49,39 +47,12 @@ from .lean_loss import LeanLoss
 from .planning import Decision
 from .record import StepRecorder
 from .rebuilt import RebuiltSaves
+from .selective import SAVED_OPS, KeptOpTimer, selective_contexts
 
 __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 
 MiB = 1 << 20
 log = logging.getLogger("um_alloc.planner")
-
-
-def _aten_ops(*names: str) -> frozenset:
-    aten = torch.ops.aten
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-# What a selective recomputation keeps: the expensive ops, whose outputs are worth their bytes.
-SAVED_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution",
-                      "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                      "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
-                      "_efficient_attention_forward")
-
-
-def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    if func in SAVED_OPS and not _draws_random(func, args, kwargs):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _draws_random(func, args, kwargs) -> bool:
-    """Attention with dropout draws random numbers. Kept instead of rerun, it would leave the
-    recomputation's random stream behind the forward's, and every later dropout mask would differ."""
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            value = kwargs.get("dropout_p", args[i] if i < len(args) else argument.default_value)
-            return bool(value)
-    return False
 
 
 class Director(Protocol):
@@ -156,22 +127,6 @@ class _Enter:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
-
-
-class _KeptOpTimer(TorchDispatchMode):
-    """Calibration: the bytes and time of the ops a selective recomputation would keep."""
-
-    def __init__(self, recorder: StepRecorder, unit: int):
-        super().__init__()
-        self._recorder, self._unit = recorder, unit
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in SAVED_OPS:
-            return func(*args, **(kwargs or {}))
-        done = self._recorder.kept_op(self._unit)
-        out = func(*args, **(kwargs or {}))
-        done(sum(t.numel() * t.element_size() for t in _tensors(out)))
-        return out
 
 
 class Runtime:
@@ -386,11 +341,11 @@ class Runtime:
         recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked),
                                functools.partial(_autocast_uncached, self.device.type)]
         if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
-            saving, replaying = create_selective_checkpoint_contexts(_selective_policy)
+            saving, replaying = selective_contexts()
             forward_ctx.append(lambda: saving)
             recompute_ctx.append(lambda: replaying)
         elif step.spec.count_ops and step.spec.recorder:
-            recompute_ctx.append(lambda: _KeptOpTimer(step.spec.recorder, index))
+            recompute_ctx.append(lambda: KeptOpTimer(step.spec.recorder, index))
         return _Enter(*forward_ctx), _Enter(*recompute_ctx)
 
     @contextlib.contextmanager
