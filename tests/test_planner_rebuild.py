@@ -168,3 +168,46 @@ def test_calibration_counts_the_bytes_replay_rebuilds(monkeypatch):
     calibrated = [first[j]["rebuildable_bytes"] for j, u in enumerate(planner.units) if u.kind == "block"]
     assert calibrated == [saves.rebuilt_bytes for saves in made] and all(calibrated)
     planner.remove()
+
+
+def test_a_held_input_changed_in_place_after_its_block_stops_backward():
+    """The blocks' linears save bf16 casts of their input, which the model then scales in place:
+    plain autograd is content (it saved the casts), a rebuild from the scaled input would not be."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    class ScaledAfter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            h = x * 1.0
+            for block in self.blocks:
+                y = block(h)
+                h.mul_(2.0)
+                h = (y + h).float()
+            return h.sum()
+
+    torch.manual_seed(0)
+    model, x = ScaledAfter(), torch.randn(4, 8, requires_grad=True)
+    planner = BlockPlanner(model, "1GiB", decisions=["rebuild"], lean_loss=False)
+    planner._runtime.min_bytes = 1
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x)
+    assert planner.plan.counts()["rebuild"] == 2
+    assert all(("held", "Source") in {sig[:2] for sig in places.values()}  # the casts of each block's input
+               for places in next(iter(planner._shapes.values())).signatures.values())
+    with pytest.raises(RuntimeError, match=r"a tensor of shape \(4, 8\) that blocks.1 holds to rebuild others from "
+                                           r"was changed in place after its forward \(version 0 -> 1\)"):
+        loss.backward()
+    planner.remove()

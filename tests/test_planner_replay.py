@@ -296,3 +296,78 @@ def test_a_block_called_twice_under_autocast_recomputes_selectively(decision):
     loss, planned = step(model)
     runtime.detach()
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class ScaledAfter(torch.nn.Module):
+    """Scales each block's input in place once the block has run. Under autocast the blocks'
+    linears save bf16 casts of it, not it, so plain autograd trains; a rerun would read it scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = x * 1.0
+        for block in self.blocks:
+            y = block(h)
+            h.mul_(2.0)
+            h = (y + h).float()
+        return self.head(h).sum()
+
+
+def _scaled_step(model, x):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("decision", [Decision.RECOMPUTE, Decision.SELECTIVE, Decision.RECOMPUTE_MOVED],
+                         ids=lambda d: d.value)
+def test_an_input_changed_in_place_after_its_block_is_never_recomputed_from(decision):
+    """Rerun from the scaled input, the block would save other casts and the gradients would be
+    wrong without a word; the moved forms rerun from copies taken at the end of the forward."""
+    torch.manual_seed(0)
+    model, x = ScaledAfter(), torch.randn(4, 8, requires_grad=True)
+    plain = _scaled_step(model, x)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), 1 << 20, min_bytes=1,
+                      lean_loss=False)
+    runtime.attach()
+    try:
+        if decision.moves_inputs:
+            assert all(torch.equal(a, b) for a, b in zip(_scaled_step(model, x), plain))
+        else:
+            with pytest.raises(RuntimeError, match=r"an input of shape \(4, 8\) of blocks.1 was changed in place "
+                                                   r"after its forward \(version 0 -> 1\)"):
+                _scaled_step(model, x)
+    finally:
+        runtime.detach()
+
+
+def test_a_block_that_changes_its_own_input_is_stopped_in_its_forward():
+    class Scaling(Block):
+        def forward(self, x):
+            y = self.linear(x)
+            x.mul_(2.0)
+            return y + x
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Scaling(), Scaling())
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE_MOVED)),
+                      1 << 20, min_bytes=1, lean_loss=False)
+    runtime.attach()
+    with pytest.raises(RuntimeError, match=r"of 1 was changed in place by its own forward .*cannot be recomputed"):
+        model(torch.randn(4, 8))
+    runtime.detach()

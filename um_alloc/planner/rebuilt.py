@@ -17,12 +17,17 @@ bytes, never a wrong gradient.
 A recipe's root is either a cheap call recorded while the unit ran, or a tensor the unit holds:
 one it saved, or its own input, which the unit holds for this (the plan counts a kept unit's inputs)
 so that the casts of it need not be held too.
+
+A recipe reads the tensors it starts from as they are when backward rebuilds. Autograd checks that
+the tensors it saved were not changed in place since; a unit's input it did not save, nobody
+checks. A recipe does, and stops backward with an error naming the unit rather than rebuild from
+a changed tensor (a model that scales a block's input in place after the block, under autocast,
+where the block's linears saved casts of it and plain autograd is content).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -55,7 +60,7 @@ class _Rebuilt:
     def tensor(self) -> torch.Tensor:
         base = self.base
         if base.tensor is None:
-            base.tensor = self.recipe.build_base(_itself, self.device_type)
+            base.tensor = self.recipe.build_base(_unchanged, self.device_type)
         out = self.recipe.shape(base.tensor)
         base.uses -= 1
         if base.uses <= 0:  # the last saved tensor of this base: let go of it
@@ -63,8 +68,23 @@ class _Rebuilt:
         return out
 
 
-def _itself(entry):
-    return entry  # a recipe's sources here are the held tensors themselves
+@dataclass
+class _Kept:
+    """A tensor a unit holds, as its recipes read it: with its version when held."""
+    tensor: torch.Tensor
+    version: int
+    unit: str
+
+
+def _unchanged(entry: _Kept) -> torch.Tensor:
+    """The held tensor itself, if nothing changed it in place since it was held."""
+    tensor = entry.tensor
+    if tensor._version != entry.version:
+        raise RuntimeError(f"planner: a tensor of shape {tuple(tensor.shape)} that {entry.unit or 'a unit'} holds "
+                           f"to rebuild others from was changed in place after its forward (version "
+                           f"{entry.version} -> {tensor._version}); rebuilding from it would give wrong "
+                           "gradients. Leave 'rebuild' out of the planner's decisions for this model")
+    return tensor
 
 
 @dataclass
@@ -72,19 +92,21 @@ class _UnitCall:
     """One call of a unit: the tensors it holds, and the roots recipes may start from."""
     device: torch.device
     min_bytes: int
-    held: dict = field(default_factory=dict)   # (id, version) -> weakref to the tensor
+    unit: str = ""                              # its name, for errors
+    held: dict = field(default_factory=dict)   # (id, version) -> _Kept
     saves: int = 0                              # eligible saves so far
 
     def __post_init__(self):
         self.roots = RootRecorder(self.held_of, self.device.type, views_under_casts=True)
 
-    def held_of(self, tensor: torch.Tensor):
-        ref = self.held.get((id(tensor), tensor._version))
-        return tensor if ref is not None and ref() is tensor else None
+    def held_of(self, tensor: torch.Tensor) -> _Kept | None:
+        entry = self.held.get((id(tensor), tensor._version))
+        return entry if entry is not None and entry.tensor is tensor else None
 
     def hold(self, tensor: torch.Tensor) -> None:
-        self.held[(id(tensor), tensor._version)] = weakref.ref(tensor)
-        self.roots.add_held(tensor, tensor)
+        entry = _Kept(tensor, tensor._version, self.unit)
+        self.held[(id(tensor), tensor._version)] = entry
+        self.roots.add_held(tensor, entry)
 
     def hold_inputs(self, values) -> None:
         for t in _tensors(values):
@@ -116,8 +138,8 @@ class RebuiltSaves:
     """Replay: around one call of a unit the plan rebuilds, the saved-tensor hooks that hold what
     must stay and stand a recipe in for what backward can make again."""
 
-    def __init__(self, device: torch.device, min_bytes: int, signatures: Signatures):
-        self._call = _UnitCall(device, min_bytes)
+    def __init__(self, device: torch.device, min_bytes: int, signatures: Signatures, unit: str = ""):
+        self._call = _UnitCall(device, min_bytes, unit)
         self._signatures = signatures
         self._bases: dict[tuple, _Base] = {}
         self.rebuilt_bytes = 0
@@ -209,7 +231,7 @@ class RebuildProbe:
         # that could have read it are missed, which costs bytes, not correctness.
         start, host = self._timer(), time.perf_counter()
         with torch.no_grad():
-            base = recipe.build_base(_itself, tensor.device.type)
+            base = recipe.build_base(_unchanged, tensor.device.type)
         timing = (start, self._timer(), time.perf_counter() - host)
         tried.append(_Tried(place, recipe, tensor.numel() * tensor.element_size(),
                             tensor.untyped_storage().data_ptr(), timing, _differs(recipe.shape(base), tensor)))

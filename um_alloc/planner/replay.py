@@ -265,7 +265,8 @@ class Runtime:
             if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
             elif decision is Decision.REBUILD:
-                saves = RebuiltSaves(self.device, self.min_bytes, step.spec.rebuilds.get(index, {}))
+                saves = RebuiltSaves(self.device, self.min_bytes, step.spec.rebuilds.get(index, {}),
+                                     self.units[index].name)
                 with saves.around(args, kwargs):
                     out = forward(*args, **kwargs)
             elif decision is Decision.MOVE:
@@ -307,6 +308,7 @@ class Runtime:
         flat_args = [self._park(a, parked) for a in args]
         flat_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
         names = list(flat_kwargs)
+        inputs = _Unchanged(self.units[index].name, (args, kwargs))
 
         def run(anchor, *values):
             n = len(flat_args)
@@ -314,12 +316,14 @@ class Runtime:
             call_kwargs = {k: _unpark(v) for k, v in zip(names, values[n:])}
             return forward(*call_args, **call_kwargs)
 
-        context_fn = functools.partial(self._contexts, step, index, decision, parked)
+        context_fn = functools.partial(self._contexts, step, index, decision, parked, inputs)
         early = set_checkpoint_early_stop(False) if step.spec.full_recompute else contextlib.nullcontext()
         with early:
             out = checkpoint(run, self._anchor, *flat_args, *flat_kwargs.values(), use_reentrant=False,
                              context_fn=context_fn, preserve_rng_state=True)
+        inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
         if decision.moves_inputs:
+            inputs.forget([p.tensor for p in parked])  # the rerun reads their copies, taken now
             moved = sum(p.move_out(self.transfers) for p in parked)
             if step.spec.recorder:
                 step.spec.recorder.units[index].input_bytes += moved
@@ -336,9 +340,9 @@ class Runtime:
             return slot
         return value
 
-    def _contexts(self, step: Step, index: int, decision: Decision, parked: list):
+    def _contexts(self, step: Step, index: int, decision: Decision, parked: list, inputs: "_Unchanged"):
         forward_ctx: list = []
-        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked),
+        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked, inputs),
                                functools.partial(_autocast_uncached, self.device.type)]
         if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
             saving, replaying = selective_contexts()
@@ -349,10 +353,13 @@ class Runtime:
         return _Enter(*forward_ctx), _Enter(*recompute_ctx)
 
     @contextlib.contextmanager
-    def _recomputing(self, step: Step, index: int, parked: list):
-        """Around a unit's recomputation: its moved inputs are back first (so the recorder's time
-        is the recomputation's, not the wait for the link), BatchNorm does not count the batch
-        twice (its running statistics are put back), and the recorder sees the time and the bytes rebuilt."""
+    def _recomputing(self, step: Step, index: int, parked: list, inputs: "_Unchanged"):
+        """Around a unit's recomputation: its inputs are as its forward found them, its moved
+        inputs are back first (so the recorder's time is the recomputation's, not the wait for the
+        link), BatchNorm does not count the batch twice (its running statistics are put back), and
+        the recorder sees the time and the bytes rebuilt."""
+        inputs.check("after its forward", "leave 'recompute' and 'selective' out of the planner's decisions "
+                     "(their _moved forms recompute from copies taken at the end of the forward)")
         for slot in parked:
             slot.fetch()
         # Running statistics as they were: the recomputation updates them again, then they go back.
@@ -370,6 +377,29 @@ class Runtime:
                 buffer.copy_(before)
             if step.spec.recorder:
                 step.spec.recorder.pair("recompute", index, start, end)
+
+
+class _Unchanged:
+    """The tensor inputs of a recomputed call, with their versions when it began. Its rerun reads
+    them as they are then: changed in place (by the call itself, or after it) they would make the
+    rerun compute something else, and the gradients would be wrong without a word."""
+    __slots__ = ("unit", "watched")
+
+    def __init__(self, unit: str, values):
+        self.unit = unit
+        self.watched = [(t, t._version) for t in _tensors(values) if not isinstance(t, nn.Parameter)]
+
+    def check(self, when: str, remedy: str) -> None:
+        for tensor, version in self.watched:
+            if tensor._version != version:
+                raise RuntimeError(f"planner: an input of shape {tuple(tensor.shape)} of {self.unit} was changed "
+                                   f"in place {when} (version {version} -> {tensor._version}); recomputing "
+                                   f"{self.unit} from it would give wrong gradients: {remedy}")
+
+    def forget(self, tensors: list) -> None:
+        """Moved inputs: the rerun reads their host copies, and they may go."""
+        gone = {id(t) for t in tensors}
+        self.watched = [(t, v) for t, v in self.watched if id(t) not in gone]
 
 
 def _caches_off(model: nn.Module) -> list:
