@@ -10,7 +10,9 @@ plan more to choose from, and a stage is too coarse to recompute or keep as one.
 ``block_classes`` overrides the search with class names.
 
 A *gap* is what lies between blocks: the children along the way from the root to the blocks that
-neither are blocks nor contain one (embeddings, a ResNet's stem, the head). Their activations can
+neither are blocks nor contain one (embeddings, a ResNet's stem, the head). A ModuleList or
+ModuleDict is never called itself (its owner calls its children: ConvNeXt's downsampling layers),
+so its children are the gaps. Their activations can
 be moved to host memory, not recomputed: they are not in a container the plan could rerun.
 """
 from __future__ import annotations
@@ -144,7 +146,7 @@ def _collect(module: nn.Module, prefix: str, blocks: set[int], holders: set[int]
         path = f"{prefix}.{name}" if prefix else name
         if id(child) in blocks:
             units.append(Unit(path, child, "block"))
-        elif id(child) in holders:
+        elif id(child) in holders or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             _collect(child, path, blocks, holders, units)
         elif _has_work(child):
             units.append(Unit(path, child, "gap"))

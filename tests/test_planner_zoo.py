@@ -1,0 +1,217 @@
+"""The planner on models it was not written for: tiny Hugging Face models built from their configs
+(no downloads), decoder-only, encoder-decoder, mixture-of-experts, vision transformers and
+convolutional networks. For each: the blocks it finds; every decision forced on every block trains
+as plain autograd does, bit for bit in float64; and the planner itself, calibrating two steps and
+then rebuilding under bf16 autocast, trains as plain autograd does and rebuilds what is cheap.
+
+The reference is plain autograd with every config's cache off, as under the planner and under
+Hugging Face's own gradient checkpointing: a cache changes the rounding of training (GPT-2 and T5
+differ by 1e-16 in float64 with it on), since the attention reads keys and values through it.
+"""
+import copy
+import functools
+
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, Decision, find_units
+from um_alloc.planner import rebuilt as rebuilt_module
+from um_alloc.planner.replay import Runtime, StepSpec
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, IMAGE = 97, 16, 16
+DECODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def _make(config_class, model_class, **config):
+    def make():
+        torch.manual_seed(0)
+        return model_class(config_class(**config)).train()
+    return make
+
+
+# name -> (model factory, input kind, the blocks find_units must find by class, block_classes,
+#          the cheap functions whose outputs (or their casts) a planned rebuild makes again)
+ZOO = {
+    "llama": (_make(transformers.LlamaConfig, transformers.LlamaForCausalLM, num_key_value_heads=1, **DECODER),
+              "text", {"LlamaDecoderLayer": 2}, None, {"silu"}),
+    "mistral": (_make(transformers.MistralConfig, transformers.MistralForCausalLM, num_key_value_heads=1,
+                      sliding_window=8, **DECODER), "text", {"MistralDecoderLayer": 2}, None, {"silu"}),
+    "qwen2": (_make(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, num_key_value_heads=1, **DECODER),
+              "text", {"Qwen2DecoderLayer": 2}, None, {"silu"}),
+    "mixtral": (_make(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_key_value_heads=1,
+                      num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **DECODER),
+                "text", {"MixtralDecoderLayer": 2}, None, {"silu"}),
+    "gpt_neox": (_make(transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, **DECODER),
+                 "text", {"GPTNeoXLayer": 2}, None, {"gelu", "layer_norm"}),
+    "falcon": (_make(transformers.FalconConfig, transformers.FalconForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                     num_hidden_layers=2, num_attention_heads=2), "text", {"FalconDecoderLayer": 2}, None,
+               {"gelu", "layer_norm"}),
+    "t5": (_make(transformers.T5Config, transformers.T5ForConditionalGeneration, vocab_size=VOCAB, d_model=32,
+                 d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0),
+           "text", {"T5Block": 4}, None, set()),  # RMS norm by hand, ReLU then dropout: weight casts only
+    "bart": (_make(transformers.BartConfig, transformers.BartForConditionalGeneration, vocab_size=VOCAB, d_model=32,
+                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                   encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64),
+             "text", {"BartEncoderLayer": 2, "BartDecoderLayer": 2}, None, {"gelu", "layer_norm"}),
+    "deberta_v2": (_make(transformers.DebertaV2Config, transformers.DebertaV2ForMaskedLM, vocab_size=VOCAB,
+                         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"]),
+                   "text", {"DebertaV2Layer": 2}, None, {"gelu", "layer_norm"}),
+    "albert": (_make(transformers.AlbertConfig, transformers.AlbertForMaskedLM, vocab_size=VOCAB, embedding_size=16,
+                     hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64),
+               "text", {"AlbertLayer": 1}, ["AlbertLayer"], {"layer_norm"}),  # one layer, called at every depth
+    "vit": (_make(transformers.ViTConfig, transformers.ViTForImageClassification, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4, num_labels=3),
+            "image", {"ViTLayer": 2}, None, {"gelu", "layer_norm"}),
+    "swin": (_make(transformers.SwinConfig, transformers.SwinForImageClassification, image_size=IMAGE, patch_size=2,
+                   embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2, num_labels=3),
+             "image", {"SwinLayer": 4}, None, {"gelu", "layer_norm"}),
+    "convnext": (_make(transformers.ConvNextConfig, transformers.ConvNextForImageClassification, num_stages=2,
+                       hidden_sizes=[8, 16], depths=[2, 2], num_labels=3, image_size=IMAGE),
+                 "image", {"ConvNextLayer": 4}, None, {"gelu", "layer_norm"}),
+    "resnet": (_make(transformers.ResNetConfig, transformers.ResNetForImageClassification, embedding_size=8,
+                     hidden_sizes=[8, 16], depths=[2, 2], num_labels=3),  # four bottlenecks: one level in
+               "image", {"ResNetConvLayer": 12}, None, set()),  # convolutions read bf16 already
+}
+
+
+def batch_of(kind: str, dtype: torch.dtype) -> dict:
+    data = torch.Generator().manual_seed(2)
+    if kind == "image":
+        return {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=data, dtype=dtype),
+                "labels": torch.randint(0, 3, (2,), generator=data)}
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, -5:] = 0  # padding: a mask for every block
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def without_caches(model):
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+    return model
+
+
+def step(model, batch, autocast: bool = False):
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    return torch.equal(loss_a, loss_b) and len(grads_a) == len(grads_b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(grads_a, grads_b))
+
+
+@functools.cache
+def float64_reference(name: str):
+    """The model in float64 as built (caches on), its batch, and plain autograd's loss and gradients."""
+    make, kind, _, _, _ = ZOO[name]
+    model = make().double()
+    batch = batch_of(kind, torch.float64)
+    return model, batch, step(without_caches(copy.deepcopy(model)), batch)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_blocks_are_found(name):
+    make, _, expected, block_classes, _ = ZOO[name]
+    units = find_units(make(), block_classes)
+    found: dict[str, int] = {}
+    for unit in units:
+        if unit.kind == "block":
+            found[unit.class_name] = found.get(unit.class_name, 0) + 1
+    assert found == expected
+    assert len({id(u.module) for u in units}) == len(units)
+    assert not any(isinstance(u.module, (torch.nn.ModuleList, torch.nn.ModuleDict)) for u in units)  # never called
+
+
+def test_the_layers_of_a_module_list_between_blocks_are_gaps_not_the_list():
+    """ConvNeXt's stages call their downsampling layers from a ModuleList, which is never called
+    itself: a unit of it would see nothing of the step."""
+    make = ZOO["convnext"][0]
+    gaps = [u.name for u in find_units(make()) if u.kind == "gap"]
+    assert "convnext.encoder.stages.1.downsampling_layer.0" in gaps
+    assert "convnext.encoder.stages.1.downsampling_layer.1" in gaps
+    assert "convnext.encoder.stages.1.downsampling_layer" not in gaps
+
+
+class Fixed:
+    """A director that gives every step the same decisions."""
+
+    def __init__(self, decisions):
+        self.decisions, self.ended = decisions, []
+
+    def begin(self, signature, partial=False):
+        return StepSpec(self.decisions)
+
+    def end(self, step, completed):
+        self.ended.append(completed)
+
+
+@pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
+@pytest.mark.parametrize("name", ZOO)
+def test_every_decision_trains_as_plain_autograd_in_float64(name, decision):
+    model, batch, plain = float64_reference(name)
+    units = find_units(model, ZOO[name][3])
+    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
+    director = Fixed(tuple(decision if u.kind == "block" else gap for u in units) + (gap,))
+    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        planned = step(model, batch)
+        moved = runtime.transfers.stats.out_bytes
+    finally:
+        runtime.detach()
+    assert same(planned, plain)  # dropout masks and expert routing replayed exactly
+    assert director.ended == [True]
+    assert (moved > 0) == (decision is not Decision.KEEP)
+
+
+class RebuiltPerCall:
+    """Per call of a rebuilt unit: the places calibration found, and the saves replay rebuilt."""
+
+    def __init__(self, monkeypatch):
+        self.calls: dict[int, list] = {}
+        pack = rebuilt_module.RebuiltSaves._pack
+
+        def counting(saves, tensor):
+            out = pack(saves, tensor)
+            seen = self.calls.setdefault(id(saves), [len(saves._signatures), 0, saves])
+            seen[1] += type(out) is rebuilt_module._Rebuilt
+            return out
+        monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", counting)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_planner_rebuilds_under_autocast_as_plain_autograd_trains(name, monkeypatch):
+    make, kind, _, block_classes, calls = ZOO[name]
+    model = make()
+    plain = without_caches(copy.deepcopy(model))
+    batch = batch_of(kind, torch.float32)
+    planner = BlockPlanner(model, "1GiB", decisions=["rebuild"], block_classes=block_classes, lean_loss=False)
+    planner._runtime.min_bytes = 1  # the tiny models' tensors are far below 1 MiB
+    try:
+        for _ in range(2):
+            step(model, batch, autocast=True)
+        counter = RebuiltPerCall(monkeypatch)
+        planned = step(model, batch, autocast=True)  # its start closed the calibration: the plan's step
+        assert planner.plan.counts()["rebuild"] == sum(u.kind == "block" for u in planner.units)
+        assert same(planned, step(plain, batch, autocast=True))
+        places = next(iter(planner._shapes.values())).signatures
+    finally:
+        planner.remove()
+    rebuilt = sum(n for _, n, _ in counter.calls.values())
+    roots = {sig[1] for p in places.values() for sig in p.values() if sig[0] == "call"}
+    print(f"{name}: {rebuilt} saved tensors rebuilt in {len(counter.calls)} calls of {len(places)} blocks; "
+          f"calls rebuilt: {', '.join(sorted(roots)) or 'none (weight casts only)'}")
+    assert rebuilt > 0 and roots == calls  # at the least, each block's weights' casts
+    assert all(found == done for found, done, _ in counter.calls.values())  # every place calibration found
