@@ -7,12 +7,19 @@ as the rerun does: under autocast, a block called twice in a step finds its weig
 autocast's cache in its second call, while its rerun (without that cache, see
 replay._autocast_uncached) casts them again. Counted, those casts would make the rerun fail
 ("_to_copy ... not found in storage"); run as they come, they are recomputed as the policy says.
+Under tracing (torch.compile's AOT autograd) every op still goes through, as the tracer tags each.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+try:
+    from torch.utils.checkpoint import _is_compiling
+except ImportError:  # older PyTorch: its own test, without the arguments
+    def _is_compiling(func, args, kwargs) -> bool:
+        return torch.compiler.is_compiling()
 
 from ..tensor_trees import tensors as _tensors
 
@@ -47,16 +54,20 @@ def _draws_random(func, args, kwargs) -> bool:
     return False
 
 
+def _bypasses(func, args, kwargs) -> bool:
+    return func not in SAVED_OPS and not _is_compiling(func, args, kwargs or {})
+
+
 class _Saving(_CachingTorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in SAVED_OPS:
+        if _bypasses(func, args, kwargs):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class _Replaying(_CachedTorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in SAVED_OPS:
+        if _bypasses(func, args, kwargs):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
