@@ -1,8 +1,9 @@
 """The planner on models it was not written for: tiny Hugging Face models built from their configs
-(no downloads), decoder-only, encoder-decoder, mixture-of-experts, vision transformers and
-convolutional networks. For each: the blocks it finds; every decision forced on every block trains
-as plain autograd does, bit for bit in float64; and the planner itself, calibrating two steps and
-then rebuilding under bf16 autocast, trains as plain autograd does and rebuilds what is cheap.
+(no downloads): decoder-only, encoder-decoder (text and speech), mixture-of-experts, a layer
+shared across depth, two towers in one model, vision transformers and convolutional networks. For each: the blocks it finds; every decision forced on every block trains
+as plain autograd does, bit for bit, in float64 and under bf16 autocast (where casts, autocast's
+cache and the rebuilds meet); and the planner itself, calibrating two steps and then rebuilding
+under bf16 autocast, trains as plain autograd does and rebuilds what is cheap.
 
 The reference is plain autograd with every config's cache off, as under the planner and under
 Hugging Face's own gradient checkpointing: a cache changes the rounding of training (GPT-2 and T5
@@ -62,6 +63,18 @@ ZOO = {
     "albert": (_make(transformers.AlbertConfig, transformers.AlbertForMaskedLM, vocab_size=VOCAB, embedding_size=16,
                      hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64),
                "text", {"AlbertLayer": 1}, ["AlbertLayer"], {"layer_norm"}),  # one layer, called at every depth
+    "whisper": (_make(transformers.WhisperConfig, transformers.WhisperForConditionalGeneration, vocab_size=VOCAB,
+                      num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=8,
+                      max_target_positions=32, decoder_start_token_id=0, pad_token_id=0, bos_token_id=0,
+                      eos_token_id=1), "speech", {"WhisperEncoderLayer": 2, "WhisperDecoderLayer": 2}, None,
+                {"gelu", "layer_norm"}),
+    "clip": (_make(transformers.CLIPConfig, transformers.CLIPModel, projection_dim=16,
+                   text_config=dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64),
+                   vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      image_size=IMAGE, patch_size=4)),
+             "text and image", {"CLIPEncoderLayer": 4}, None, {"layer_norm"}),  # two towers; quick GELU by hand
     "vit": (_make(transformers.ViTConfig, transformers.ViTForImageClassification, hidden_size=32, num_hidden_layers=2,
                   num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4, num_labels=3),
             "image", {"ViTLayer": 2}, None, {"gelu", "layer_norm"}),
@@ -79,6 +92,12 @@ ZOO = {
 
 def batch_of(kind: str, dtype: torch.dtype) -> dict:
     data = torch.Generator().manual_seed(2)
+    if kind == "speech":  # eight mel bins, sixteen frames
+        return {"input_features": torch.randn(2, 8, SEQ, generator=data, dtype=dtype),
+                "labels": torch.randint(2, VOCAB, (2, 8), generator=data)}
+    if kind == "text and image":  # a contrastive loss over the batch's pairs
+        return {"input_ids": torch.randint(0, VOCAB, (2, SEQ), generator=data), "return_loss": True,
+                "pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=data, dtype=dtype)}
     if kind == "image":
         return {"pixel_values": torch.randn(2, 3, IMAGE, IMAGE, generator=data, dtype=dtype),
                 "labels": torch.randint(0, 3, (2,), generator=data)}
@@ -215,3 +234,28 @@ def test_the_planner_rebuilds_under_autocast_as_plain_autograd_trains(name, monk
           f"calls rebuilt: {', '.join(sorted(roots)) or 'none (weight casts only)'}")
     assert rebuilt > 0 and roots == calls  # at the least, each block's weights' casts
     assert all(found == done for found, done, _ in counter.calls.values())  # every place calibration found
+
+
+@functools.cache
+def autocast_reference(name: str):
+    """The model in float32 as built, its batch, and plain autograd's loss and gradients under autocast."""
+    make, kind, _, _, _ = ZOO[name]
+    model = make()
+    batch = batch_of(kind, torch.float32)
+    return model, batch, step(without_caches(copy.deepcopy(model)), batch, autocast=True)
+
+
+@pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
+@pytest.mark.parametrize("name", ZOO)
+def test_every_decision_trains_as_plain_autograd_under_autocast(name, decision):
+    model, batch, plain = autocast_reference(name)
+    units = find_units(model, ZOO[name][3])
+    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(tuple(decision if u.kind == "block" else gap
+                                                                     for u in units) + (gap,)), 1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        planned = step(model, batch, autocast=True)
+    finally:
+        runtime.detach()
+    assert same(planned, plain)
