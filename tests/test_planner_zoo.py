@@ -1,9 +1,10 @@
 """The planner on models it was not written for: tiny Hugging Face models built from their configs
 (no downloads): decoder-only, encoder-decoder (text and speech), mixture-of-experts, a layer
-shared across depth, two towers in one model, vision transformers and convolutional networks. For each: the blocks it finds; every decision forced on every block trains
-as plain autograd does, bit for bit, in float64 and under bf16 autocast (where casts, autocast's
-cache and the rebuilds meet); and the planner itself, calibrating two steps and then rebuilding
-under bf16 autocast, trains as plain autograd does and rebuilds what is cheap.
+shared across depth, two towers in one model, vision transformers and convolutional networks.
+For each: the blocks it finds; every decision forced on every block trains as plain autograd
+does, bit for bit, in float64 and under bf16 autocast (where casts, autocast's cache and the
+rebuilds meet); and the planner itself, calibrating two steps and then rebuilding under bf16
+autocast, trains as plain autograd does and rebuilds what is cheap.
 
 The reference is plain autograd with every config's cache off, as under the planner and under
 Hugging Face's own gradient checkpointing: a cache changes the rounding of training (GPT-2 and T5

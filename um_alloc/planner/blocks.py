@@ -12,8 +12,8 @@ plan more to choose from, and a stage is too coarse to recompute or keep as one.
 A *gap* is what lies between blocks: the children along the way from the root to the blocks that
 neither are blocks nor contain one (embeddings, a ResNet's stem, the head). A ModuleList or
 ModuleDict is never called itself (its owner calls its children: ConvNeXt's downsampling layers),
-so its children are the gaps. Their activations can
-be moved to host memory, not recomputed: they are not in a container the plan could rerun.
+so its children are the gaps. Their activations can be moved to host memory, not recomputed: they
+are not in a container the plan could rerun.
 """
 from __future__ import annotations
 

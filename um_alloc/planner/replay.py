@@ -9,9 +9,10 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
   outside every unit (its loss) moves the same way when the plan's last decision says so. Only
   what moves pays for the hooks: a Python call per saved tensor.
 - recompute / selective: it runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state kept, so
-  dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint modes (selective.py),
-  which keep the outputs of matmuls, convolutions and attention and recompute the rest. BatchNorm's running
-  statistics are not updated a second time by the recomputation.
+  dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint modes
+  (selective.py), which keep the outputs of matmuls, convolutions and attention and recompute the
+  rest. BatchNorm's running statistics are not updated a second time by the recomputation. The
+  recomputation reads the inputs as the forward found them, or stops (_Unchanged).
 - ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
   after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
 
