@@ -211,3 +211,27 @@ def test_a_held_input_changed_in_place_after_its_block_stops_backward():
                                            r"was changed in place after its forward \(version 0 -> 1\)"):
         loss.backward()
     planner.remove()
+
+
+def test_a_rebuilt_call_lets_go_of_its_tensors_when_backward_is_done():
+    """What a rebuilt call held goes with its backward, not when Python's cycle collector runs."""
+    import gc
+    import weakref
+
+    from um_alloc.planner.rebuilt import RebuiltSaves
+
+    linear = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        h = x * 2.0
+        seen = weakref.ref(h)
+        saves = RebuiltSaves(torch.device("cpu"), 1, {0: None})
+        with torch.autocast("cpu", dtype=torch.bfloat16), saves.around((h,), {}):
+            out = torch.nn.functional.gelu(linear(h))
+        out.sum().backward()
+        del h, out, saves
+        assert seen() is None
+    finally:
+        gc.enable()

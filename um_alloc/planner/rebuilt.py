@@ -108,6 +108,13 @@ class _UnitCall:
         self.held[(id(tensor), tensor._version)] = entry
         self.roots.add_held(tensor, entry)
 
+    def close(self) -> None:
+        """The call's forward is over: let go of what it held (the recipes keep what they read).
+        The recorder and this call refer to each other, so without this the tensors would wait
+        for Python's cycle collector, past their backward."""
+        self.roots.clear()
+        self.held.clear()
+
     def hold_inputs(self, values) -> None:
         for t in _tensors(values):
             if self.eligible(t):
@@ -147,9 +154,11 @@ class RebuiltSaves:
     @contextlib.contextmanager
     def around(self, args, kwargs) -> Iterator[None]:
         self._call.hold_inputs((args, kwargs))
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self._call.roots.mode():
-            yield
-        self._call.roots.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self._call.roots.mode():
+                yield
+        finally:
+            self._call.close()
 
     def _pack(self, tensor: torch.Tensor):
         call = self._call
@@ -213,9 +222,11 @@ class RebuildProbe:
             self._look(call, tensor, tried)
             return outer_pack(tensor)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), call.roots.mode():
-            yield
-        call.roots.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack), call.roots.mode():
+                yield
+        finally:
+            call.close()
         self._settle(tried)
 
     def _look(self, call: _UnitCall, tensor: torch.Tensor, tried: list) -> None:
