@@ -43,6 +43,46 @@ def run_gpu_script(script, *args, timeout: float = 600) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict:
+    """What torchrun sets for each process it starts on one node, with this checkout importable."""
+    return {**checkout_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1"}
+
+
+def start_ranks(script, world: int, *args) -> list:
+    """`script ARGS` in `world` processes, each with torchrun's variables for its rank; output piped."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    return [subprocess.Popen([sys.executable, str(script), *map(str, args)], env=torchrun_env(rank, world, port),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
+
+
+def wait_all(processes: list, timeout: float) -> None:
+    """Waits for every process; kills those still running after `timeout` (a rank whose peer died
+    waits for it in its collective), then fails with the output of the first that did not exit 0."""
+    import subprocess
+
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.kill()
+        outputs = [p.communicate()[0] for p in processes]
+    for p, output in zip(processes, outputs):
+        assert p.returncode == 0, output[-3000:]
+
+
 def interrupt_when_paused(script, *args, directory, timeout: float = 600) -> tuple[int | None, str]:
     """Runs `script` (tests/gpu_scripts/interrupted_train.py) with --paused, sends it SIGINT once it
     has paused, and returns (exit status, its stderr); None for a status if it had to be killed.
