@@ -14,11 +14,14 @@ Cases (the planner with decisions=["recompute"]: every block recomputed, the gap
   no-sync               two micro-batches a step, the first under no_sync(): gradients reduced once
   static-graph-no-sync  both; the first step synchronised, since PyTorch's reducer itself asserts
                         when a static graph's first backward runs under no_sync()
+  stream                um_alloc.microbatch.MicroBatchStreamer accumulates two micro-batches a step
+  stream-static-graph   the same with static_graph=True (its first step reduces every micro-batch)
 
 Every case trains STEPS steps of SGD on the same GLOBAL_BATCH sequences a step, split between the
 ranks; the reference trains on the whole of each. Saved per case: the loss of the global batch each
 step (the ranks' losses averaged through an all-reduce) and this rank's own, the first step's
-gradients, the parameters at the end, the plan's decisions. float64, dropout 0.
+gradients, the parameters at the end, the plan's decisions, and how many buckets DDP reduced
+(a communication hook counts them). float64, dropout 0.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from pathlib import Path
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
 import torch  # noqa: E402
 
-CASES = ("plan-then-wrap", "wrap-then-plan", "static-graph", "find-unused", "no-sync", "static-graph-no-sync")
+CASES = ("plan-then-wrap", "wrap-then-plan", "static-graph", "find-unused", "no-sync", "static-graph-no-sync",
+         "stream", "stream-static-graph")
 STEPS, GLOBAL_BATCH, SEQUENCE, VOCAB = 4, 8, 16, 97
 
 
@@ -75,7 +79,7 @@ def ddp_case(case: str, rank: int, world: int, device: torch.device, budget: str
 
     from um_alloc.planner import BlockPlanner
 
-    options = {"static_graph": case.startswith("static-graph"), "find_unused_parameters": case == "find-unused",
+    options = {"static_graph": "static-graph" in case, "find_unused_parameters": case == "find-unused",
                "device_ids": [device.index] if device.type == "cuda" else None}
     model = tiny_bert(device)
     budget = budget or "1GiB"  # on the CPU no GPU memory is counted: the decisions below set the plan
@@ -85,13 +89,12 @@ def ddp_case(case: str, rank: int, world: int, device: torch.device, budget: str
     else:
         planner = BlockPlanner(model, budget, decisions=["recompute"])
         wrapped = DDP(model, **options)
+    reductions = _count_reductions(wrapped)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    forward_backward = _forward_backward(case, wrapped, GLOBAL_BATCH // world // 2, device)
     out = {"losses": [], "rank_losses": []}
     for step, ids in enumerate(global_batches()):
-        mine = ids.chunk(world)[rank].to(device)
-        synchronised_first = case == "static-graph-no-sync" and step == 0
-        micro = mine.chunk(2) if case.endswith("no-sync") and not synchronised_first else (mine,)
-        loss = _accumulate(wrapped, micro)
+        loss = forward_backward(step, ids.chunk(world)[rank])
         if step == 0:
             out["first_grads"] = flat(p.grad for p in model.parameters())
         optimizer.step()
@@ -101,8 +104,41 @@ def ddp_case(case: str, rank: int, world: int, device: torch.device, budget: str
         out["losses"].append(loss.item() / world)
     out["params"] = flat(model.parameters())
     out["decisions"] = [d.value for d in planner.plan.decisions]
+    out["reductions"] = len(reductions)
     planner.remove()
     return out
+
+
+def _count_reductions(wrapped) -> list:
+    """A communication hook that reduces as DDP's default does and notes each bucket it reduces."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    seen: list = []
+
+    def counting(state, bucket):
+        seen.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    wrapped.register_comm_hook(None, counting)
+    return seen
+
+
+def _forward_backward(case: str, wrapped, micro_batch: int, device: torch.device):
+    """The case's forward and backward of one step, as fn(step, host ids) -> this rank's mean loss
+    (on `device`). The streamer copies the micro-batches to the device itself."""
+    if case.startswith("stream"):
+        from um_alloc.microbatch import MicroBatchStreamer
+
+        streamer = MicroBatchStreamer(wrapped, None, lambda model, batch: model(input_ids=batch, labels=batch).loss,
+                                      micro_batch_size=micro_batch, input_tag=None)
+        return lambda step, ids: torch.tensor(streamer.accumulate(ids), dtype=torch.float64, device=device)
+
+    def by_hand(step: int, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(device)
+        synchronised_first = case == "static-graph-no-sync" and step == 0
+        return _accumulate(wrapped, ids.split(micro_batch) if case.endswith("no-sync") and not synchronised_first
+                           else (ids,))
+    return by_hand
 
 
 def _accumulate(wrapped, micro: tuple) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The block planner under DistributedDataParallel on the CPU: two processes with the gloo backend
 (tests/ddp_train.py, started with the variables torchrun sets) train a tiny BERT with every block
-recomputed, and match one process training the same global batch.
+recomputed, with DDP's options, no_sync() accumulation and um_alloc's micro-batch streamer, and
+match one process training the same global batch.
 
 Equal to a tolerance, not bit for bit: DDP divides each rank's gradient by the world size and
 sums the ranks' in its all-reduce, where one process takes the mean over the whole batch at once;
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import start_ranks, wait_all
-from ddp_train import CASES
+from ddp_train import CASES, STEPS
 
 pytest.importorskip("transformers")
 
@@ -49,6 +50,16 @@ def test_ddp_with_the_planner_trains_as_one_process_on_the_global_batch(trained,
         assert torch.equal(ranks[0][key], ranks[1][key])
     blocks = [d for d in ranks[0]["decisions"] if d == "recompute"]
     assert len(blocks) == 3  # BERT's three layers recomputed in backward, as decisions= asked
+
+
+def test_gradients_are_reduced_once_a_step_with_no_sync_and_with_the_streamer(trained):
+    """One reduced backward a step, whatever the micro-batches; the streamer under a static graph
+    reduces both micro-batches of its first step (PyTorch's reducer fails otherwise), once a step after."""
+    reductions = {case: trained[0][case]["reductions"] for case in CASES}
+    per_step = reductions["plan-then-wrap"] // STEPS
+    assert per_step >= 1 and reductions["plan-then-wrap"] == STEPS * per_step
+    expected = {case: STEPS * per_step for case in CASES} | {"stream-static-graph": (STEPS + 1) * per_step}
+    assert reductions == expected
 
 
 def test_no_um_alloc_was_installed_on_the_cpu(trained):
