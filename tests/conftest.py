@@ -43,6 +43,46 @@ def run_gpu_script(script, *args, timeout: float = 600) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict:
+    """What torchrun sets for each process it starts on one node, with this checkout importable."""
+    return {**checkout_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1"}
+
+
+def start_ranks(script, world: int, *args) -> list:
+    """`script ARGS` in `world` processes, each with torchrun's variables for its rank; output piped."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    return [subprocess.Popen([sys.executable, str(script), *map(str, args)], env=torchrun_env(rank, world, port),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
+
+
+def wait_all(processes: list, timeout: float) -> None:
+    """Waits for every process; kills those still running after `timeout` (a rank whose peer died
+    waits for it in its collective), then fails with the output of the first that did not exit 0."""
+    import subprocess
+
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.kill()
+        outputs = [p.communicate()[0] for p in processes]
+    for p, output in zip(processes, outputs):
+        assert p.returncode == 0, output[-3000:]
+
+
 def interrupt_when_paused(script, *args, directory, timeout: float = 600) -> tuple[int | None, str]:
     """Runs `script` (tests/gpu_scripts/interrupted_train.py) with --paused, sends it SIGINT once it
     has paused, and returns (exit status, its stderr); None for a status if it had to be killed.
@@ -70,25 +110,69 @@ def interrupt_when_paused(script, *args, directory, timeout: float = 600) -> tup
     return status, (directory / "stderr").read_text()
 
 
-@pytest.fixture
-def fake_install(monkeypatch):
-    """um_alloc.install() as on an 80 GiB GPU, on a machine without one: the policy, budget and
-    device checks run; CUDA, the core's configuration and PyTorch's allocator swap do not. The
-    memory report is a stand-in (the pool's statistics need a GPU). Yields the calls to install()."""
-    import importlib
+def fake_pynvml(devices):
+    """A pynvml stand-in: `devices` maps handle keys (index, UUID, bus id) to (total, used); the
+    integer keys count as the devices NVML sees. `memory_asked` lists the devices whose memory was read."""
+    import types
 
-    from um_alloc.device_info import DeviceMemory
+    nvml = types.ModuleType("pynvml")
+    nvml.calls, nvml.memory_asked = [], []
+
+    class NVMLError(Exception):
+        pass
+
+    def handle(key):
+        if key not in devices:
+            raise NVMLError(f"no device {key!r}")
+        return key
+
+    def memory(h):
+        nvml.memory_asked.append(h)
+        return types.SimpleNamespace(total=devices[h][0], used=devices[h][1], free=devices[h][0] - devices[h][1])
+
+    nvml.NVMLError = NVMLError
+    nvml.nvmlInit = lambda: nvml.calls.append("init")
+    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
+    nvml.nvmlDeviceGetCount = lambda: sum(isinstance(key, int) for key in devices)
+    nvml.nvmlDeviceGetHandleByIndex = handle
+    nvml.nvmlDeviceGetHandleByUUID = handle
+    nvml.nvmlDeviceGetHandleByPciBusId = handle
+    nvml.nvmlDeviceGetName = lambda h: f"GPU {h}".encode()          # old bindings: bytes
+    nvml.nvmlDeviceGetMemoryInfo = memory
+    return nvml
+
+
+FAKE_GPUS = {0: (80 << 30, 1 << 30), 1: (48 << 30, 8 << 30)}  # (total, used): 79 GiB free, 40 GiB free
+
+
+def fake_gpu_node(patch):
+    """Makes um_alloc.install() work as on a node of two GPUs (FAKE_GPUS: 80 and 48 GiB, seen through a
+    stand-in for NVML) on a machine without one, through `patch` (a pytest.MonkeyPatch): the policy,
+    budget and device checks run, and so do the device count and the memory lookup; CUDA, the
+    core's configuration and PyTorch's allocator swap do not. The memory report is a stand-in (the
+    pool's statistics need a GPU). Returns the list of devices whose memory install() read."""
+    import importlib
+    import sys
+
     from um_alloc.integrations import attach
 
     install_module = importlib.import_module("um_alloc.install")
-    calls = []
-    monkeypatch.setattr(install_module, "_installation", None)
-    monkeypatch.setattr(install_module, "_require_cuda_untouched", lambda: None)
-    monkeypatch.setattr(install_module, "_device_memory_or_raise",
-                        lambda device: calls.append(device) or DeviceMemory(80 << 30, 79 << 30, 1 << 30, "fake GPU"))
-    monkeypatch.setattr(install_module, "_configure_core", lambda made: None)
-    monkeypatch.setattr(install_module, "_swap_torch_allocator", lambda: None)
-    monkeypatch.setattr(install_module, "refuse_cuda_graphs", lambda: None)
-    monkeypatch.setattr(attach, "memory_stats", lambda: {"live_bytes": 0})
-    monkeypatch.setattr(attach, "memory_summary", lambda: "um_alloc memory summary (stand-in)")
-    yield calls
+    nvml = fake_pynvml(FAKE_GPUS)
+    patch.setitem(sys.modules, "pynvml", nvml)
+    patch.setattr(install_module, "_installation", None)
+    patch.setattr(install_module, "_require_cuda_untouched", lambda: None)
+    patch.setattr(install_module, "_configure_core", lambda made: None)
+    patch.setattr(install_module, "_swap_torch_allocator", lambda: None)
+    patch.setattr(install_module, "refuse_cuda_graphs", lambda: None)
+    patch.setattr(attach, "memory_stats", lambda: {"live_bytes": 0})
+    patch.setattr(attach, "memory_summary", lambda: "um_alloc memory summary (stand-in)")
+    return nvml.memory_asked
+
+
+@pytest.fixture
+def fake_install(monkeypatch):
+    """fake_gpu_node() for one test, with none of torchrun's variables and no CUDA_VISIBLE_DEVICES
+    set. Yields the devices whose memory install() read, one per installation."""
+    for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    yield fake_gpu_node(monkeypatch)

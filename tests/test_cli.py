@@ -14,6 +14,7 @@ import um_alloc.__main__ as cli
 from um_alloc import device_info
 from um_alloc.device_info import DeviceMemory, device_memory, unified_memory_capabilities
 from um_alloc.policy import GiB
+from conftest import fake_pynvml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,31 +127,6 @@ def test_check_uses_nvml_device(monkeypatch, tmp_path, capsys):
     assert "checking against device memory: FakeGPU, 16.0 GiB" in out
     assert "ok  none  (" in out
     assert "larger than device memory (16.0 GiB, 17179869184 bytes)" in err
-
-
-def fake_pynvml(devices):
-    """A pynvml stand-in: `devices` maps handle keys (index, UUID, bus id) to (total, used)."""
-    nvml = types.ModuleType("pynvml")
-    nvml.calls = []
-
-    class NVMLError(Exception):
-        pass
-
-    def handle(key):
-        if key not in devices:
-            raise NVMLError(f"no device {key!r}")
-        return key
-
-    nvml.NVMLError = NVMLError
-    nvml.nvmlInit = lambda: nvml.calls.append("init")
-    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
-    nvml.nvmlDeviceGetHandleByIndex = handle
-    nvml.nvmlDeviceGetHandleByUUID = handle
-    nvml.nvmlDeviceGetHandleByPciBusId = handle
-    nvml.nvmlDeviceGetName = lambda h: f"GPU {h}".encode()          # old bindings: bytes
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        total=devices[h][0], used=devices[h][1], free=devices[h][0] - devices[h][1])
-    return nvml
 
 
 def test_device_memory_via_fake_nvml(monkeypatch):

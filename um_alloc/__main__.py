@@ -1,5 +1,5 @@
 """Command line: ``python -m um_alloc check FILE...``, ``python -m um_alloc info`` and
-``python -m um_alloc run [--policy P] [--budget SIZE] [--json OUT] [--profile] script.py ARGS``
+``python -m um_alloc run [--policy P] [--budget SIZE] [--device N] [--json OUT] [--profile] script.py ARGS``
 (also ``-m module ARGS``; installed as the ``um-alloc`` command too).
 
 Exit status: 0 all good, 1 a policy failed or no GPU for ``info``, 2 usage error (argparse);
@@ -112,7 +112,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     target = (Target(None, module[0], tuple(module[1:])) if module is not None
               else Target(script[0], None, tuple(script[1:])))
-    return launch(target, policy=args.policy, budget=args.budget, json_path=args.json, profile=args.profile)
+    return launch(target, policy=args.policy, budget=args.budget, json_path=args.json, profile=args.profile,
+                  device=args.device)
 
 
 def _device_memory(text: str) -> int:
@@ -154,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run(commands) -> None:
     run = commands.add_parser(
         "run", help="run a training script under um_alloc, unchanged",
-        usage="%(prog)s [--policy P] [--budget SIZE] [--json OUT] [--profile] (script.py | -m module) ARGS...",
+        usage="%(prog)s [--policy P] [--budget SIZE] [--device N] [--json OUT] [--profile] (script.py | -m module) "
+              "ARGS...",
         description="Install um_alloc, then run the script as `python script.py ARGS` would: its model, "
                     "gradients and optimizer state are tagged, and under a budget its model gets the block "
                     "planner, with no change to the script. The memory summary and the plan go to stderr at "
@@ -163,7 +165,10 @@ def _add_run(commands) -> None:
                      help="a policy file or shipped name (default: $UM_POLICY, else planner with --budget, "
                           "none without)")
     run.add_argument("--budget", metavar="SIZE",
-                     help="GPU memory for the whole training: 12GiB, bytes, or a fraction of the device (0.5)")
+                     help="GPU memory for the whole training: 12GiB, bytes, or a fraction of the device (0.5); "
+                          "under torchrun, for each process's GPU")
+    run.add_argument("--device", type=_device_index, metavar="N",
+                     help="CUDA device to install on (default: LOCAL_RANK, as torchrun sets it, else 0)")
     run.add_argument("--json", metavar="OUT", help="write the memory statistics and the plan here at the end")
     run.add_argument("--profile", action="store_true",
                      help="count unified-memory faults and migrations per step (needs cupti-python)")

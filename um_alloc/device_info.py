@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeviceMemory", "device_memory", "unified_memory_capabilities"]
+__all__ = ["DeviceMemory", "device_memory", "visible_device_count", "visible_devices_note",
+           "unified_memory_capabilities"]
 
 # cudaDeviceAttr member -> key in the capabilities dict (the attribute's name in CUDA docs).
 _UM_ATTRIBUTES = {
@@ -47,6 +48,26 @@ def device_memory(index: int = 0) -> DeviceMemory | None:
     return _with_nvml(query)
 
 
+def visible_device_count() -> int | None:
+    """How many CUDA devices this process sees, counted through NVML (never initialises CUDA);
+    None where NVML, the driver or the library is missing.
+
+    Under CUDA_VISIBLE_DEVICES, its entries up to the first that names no device: CUDA ignores
+    the rest of the list from there.
+    """
+    def query(pynvml: Any) -> int:
+        entries = _visible_entries()
+        if entries is None:
+            return int(pynvml.nvmlDeviceGetCount())
+        for index in range(len(entries)):
+            try:
+                _nvml_handle(pynvml, index)
+            except pynvml.NVMLError:
+                return index
+        return len(entries)
+    return _with_nvml(query)
+
+
 def _with_nvml(query: Any) -> Any:
     """query(pynvml) between nvmlInit and nvmlShutdown; None when NVML is missing or fails."""
     try:
@@ -65,11 +86,16 @@ def _with_nvml(query: Any) -> Any:
         pynvml.nvmlShutdown()
 
 
-def _nvml_handle(pynvml: Any, index: int) -> Any:
+def _visible_entries() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list (indices, GPU-/MIG- UUIDs), or None where it is not set."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
+    return None if visible is None else [e.strip() for e in visible.split(",") if e.strip()]
+
+
+def _nvml_handle(pynvml: Any, index: int) -> Any:
+    entries = _visible_entries()
+    if entries is None:
         return pynvml.nvmlDeviceGetHandleByIndex(index)
-    entries = [e.strip() for e in visible.split(",") if e.strip()]
     if index >= len(entries):
         return None
     entry = entries[index]
@@ -106,7 +132,7 @@ def unified_memory_capabilities(index: int = 0) -> dict[str, Any]:
     count = _cuda(rt, rt.cudaGetDeviceCount(), "cudaGetDeviceCount")
     if not 0 <= index < count:
         raise RuntimeError(f"CUDA device {index} does not exist: {count} device(s) visible"
-                           f"{_visible_note()}")
+                           f"{visible_devices_note()}")
     caps: dict[str, Any] = {"device": index}
     props = _cuda(rt, rt.cudaGetDeviceProperties(index), "cudaGetDeviceProperties")
     caps["name"] = _text(props.name)
@@ -132,7 +158,7 @@ def _cuda(rt: Any, result: tuple, call: str) -> Any:
     if err != rt.cudaError_t.cudaSuccess:
         _, error_text = rt.cudaGetErrorString(err)
         raise RuntimeError(f"no usable CUDA device: {call} failed with {err.name} "
-                           f"({_text(error_text)}){_visible_note()}; is an NVIDIA driver "
+                           f"({_text(error_text)}){visible_devices_note()}; is an NVIDIA driver "
                            f"installed and a GPU visible to this process?")
     return values[0] if len(values) == 1 else tuple(values)
 
@@ -142,7 +168,8 @@ def _memory_by_bus_id(bus_id: str) -> DeviceMemory | None:
     return _with_nvml(lambda nv: _memory_of(nv, nv.nvmlDeviceGetHandleByPciBusId(bus_id)))
 
 
-def _visible_note() -> str:
+def visible_devices_note() -> str:
+    """" (CUDA_VISIBLE_DEVICES='1,3')" for a message about device numbers, or "" where it is not set."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
 

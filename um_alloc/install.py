@@ -1,9 +1,12 @@
 """Installing um_alloc as PyTorch's CUDA allocator.
 
 PyTorch lets the allocator be swapped only before CUDA is first used, so install() must run at
-the top of a script. Everything that can be wrong with the input (policy file, sizes, a cap
-larger than the device allows) is checked before CUDA is touched: memory figures come from
-NVML, which does not initialise CUDA.
+the top of a script. Everything that can be wrong with the input (policy file, sizes, the device,
+a cap larger than the device allows) is checked before CUDA is touched: device counts and memory
+figures come from NVML, which does not initialise CUDA.
+
+Under torchrun each process installs for its own GPU (um_alloc.ranks): the cap comes from that
+GPU's free memory, and the budget holds for that GPU alone.
 """
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import _lib, arguments
-from .device_info import DeviceMemory, device_memory
+from . import _lib
+from .device_info import DeviceMemory, device_memory, visible_device_count, visible_devices_note
 from .errors import At, PolicyError
 from .graphs import refuse_cuda_graphs
 from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
 from .pool import ChunkPool, tag_policy_struct
+from .ranks import ChosenDevice, choose_device
 from .sizes import format_size
 from .tag_names import TAGS
 
@@ -49,7 +53,7 @@ _allocator = None  # PyTorch keeps a raw pointer to it: hold the Python object f
 
 
 def install(policy=None, *, max_reserved: int | str | None = None, budget: int | float | str | None = None,
-            device: int = 0, installed_by: str = "um_alloc.install()") -> Installation:
+            device: int | None = None, installed_by: str = "um_alloc.install()") -> Installation:
     """Makes um_alloc PyTorch's CUDA allocator for this process.
 
     Args:
@@ -59,8 +63,12 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
             least one chunk. Above the device's free memory minus pool.reserve_margin only with
             the policy's pool.oversubscribe: true.
         budget: overrides the policy's scheduler.budget (GPU residency): bytes, a size ("16GiB")
-            or a fraction of device memory (0.5).
-        device: the CUDA device (as CUDA numbers them) whose free memory sets the default cap.
+            or a fraction of device memory (0.5). It is this process's: under torchrun every rank
+            installs with its own budget for its own GPU (16GiB on two ranks: 16 GiB on each GPU).
+        device: the CUDA device (as CUDA numbers them) that um_alloc manages and whose free memory
+            sets the default cap. Default: LOCAL_RANK where a launcher such as torchrun sets it,
+            else 0. Call ``torch.cuda.set_device(device)`` before moving the model there, as any
+            torchrun script does: um_alloc sizes and reports this device's pool.
         installed_by: who installs (``python -m um_alloc run``, a callback), for the error a later
             install() asking for other settings gets.
 
@@ -69,18 +77,18 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     CUDA-graph capture is refused from then on (um_alloc.graphs says why).
 
     Raises:
-        PolicyError: the policy or an argument is invalid; each is checked before NVML or CUDA
-            is asked anything, and the message names the argument, the value and what is allowed.
-        RuntimeError: CUDA is already initialised, no GPU is visible, or um_alloc is already
-            installed with different settings.
+        PolicyError: the policy, an argument or LOCAL_RANK is invalid; each is checked before NVML
+            or CUDA is asked anything, and the message names it, the value and what is allowed.
+        RuntimeError: CUDA is already initialised, no GPU is visible, the device is not among the
+            visible ones, or um_alloc is already installed with different settings.
     """
     global _installation, _allocator
     if _installation is not None and policy is None and max_reserved is None and budget is None:
         return _installation
     chosen = policy_with_arguments(policy, max_reserved, budget)
-    arguments.whole_number(device, At("install()", "device"))
+    gpu = choose_device(device, At("install()", "device"))
     if _installation is not None:
-        if _installation.policy == chosen and _installation.device == device:
+        if _installation.policy == chosen and _installation.device == gpu.index:
             return _installation
         raise RuntimeError(
             f"um_alloc is already installed by {_installation.installed_by} with policy "
@@ -89,9 +97,10 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
             f"{_budget_text(chosen.budget_bytes(_installation.device_total))}). PyTorch cannot swap allocators "
             "in a running process: give the settings in one place, or start a new process.")
     _require_cuda_untouched()
-    memory = _device_memory_or_raise(device)
+    _require_visible(gpu)
+    memory = _device_memory_or_raise(gpu.index)
     validate_for_device(chosen, memory.total_bytes)
-    made = Installation(chosen, device, reserve_cap(chosen, memory), memory.total_bytes,
+    made = Installation(chosen, gpu.index, reserve_cap(chosen, memory), memory.total_bytes,
                         memory.free_bytes, memory.used_bytes, installed_by=installed_by)
     _configure_core(made)
     _allocator = _swap_torch_allocator()
@@ -168,6 +177,20 @@ def _require_cuda_untouched() -> None:
             "um_alloc.install() must run before any CUDA work, and CUDA is already initialised in "
             "this process (a tensor or model was moved to the GPU, or torch.cuda was queried). Call "
             "um_alloc.install() at the very top of your script, right after `import torch`.")
+
+
+def _require_visible(gpu: ChosenDevice) -> None:
+    """The device is one this process sees (NVML's count; unchecked where NVML cannot count, and
+    then _device_memory_or_raise says that no GPU is visible)."""
+    count = visible_device_count()
+    if not count or gpu.index < count:
+        return
+    hint = (f"start at most {count} processes per node (torchrun --nproc-per-node {count}), or where the "
+            "launcher gives each process a GPU of its own through CUDA_VISIBLE_DEVICES, name it: "
+            "install(device=0), or python -m um_alloc run --device 0"
+            if gpu.from_local_rank else f"name a device from 0 to {count - 1}")
+    raise RuntimeError(f"um_alloc: CUDA device {gpu.index} ({gpu.source}) does not exist: this process sees "
+                       f"{count} GPU(s), devices 0 to {count - 1}{visible_devices_note()}; {hint}")
 
 
 def _device_memory_or_raise(device: int) -> DeviceMemory:

@@ -15,6 +15,9 @@ Not exact: anything computing statistics across dim 0. BatchNorm normalises each
 its own statistics and updates its running statistics once per micro-batch; LayerNorm (BERT) and
 GroupNorm are per sample and unaffected. Dropout draws different masks than one full-batch pass.
 
+Under DistributedDataParallel (pass the DDP module as ``model``) every micro-batch but the last runs
+under ``no_sync()``, so gradients are reduced once a mini-batch, not once a micro-batch.
+
 Typical use::
 
     streamer = MicroBatchStreamer(model, optimizer, lambda m, b: m(**b).loss,
@@ -349,7 +352,8 @@ class MicroBatchStreamer:
         with _restoring_state(self.model, self.device) as snapshot:
             def run(micro: Batch) -> None:
                 snapshot()
-                self._backward(self._forward(self._copies.ready(self._copies.start(micro))))
+                with self._reduction(last=False):  # a probe's gradients are thrown away: never reduced
+                    self._backward(self._forward(self._copies.ready(self._copies.start(micro))))
             return find_micro_batch_size(run, batch, start=self.max_micro_batch, cache=self._sizes,
                                          reset_fn=self._zero_grad)
 
@@ -372,8 +376,9 @@ class MicroBatchStreamer:
             micro = self._copies.ready(pending)
             if index + 1 < len(work):
                 pending = self._copies.start(work[index + 1][0])
-            weighted = self._forward(micro) * (count / total)
-            self._backward(weighted)
+            with self._reduction(last=index == len(work) - 1):
+                weighted = self._forward(micro) * (count / total)
+                self._backward(weighted)
             loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
             del micro, weighted
         return loss_sum.item()
@@ -390,6 +395,20 @@ class MicroBatchStreamer:
                              f"counted items), got {shape}")
         # Half-precision losses are weighted in float32; float64 stays float64.
         return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+    def _reduction(self, last: bool):
+        """Where the model is DistributedDataParallel (it has ``no_sync``), every micro-batch but
+        the last runs under ``no_sync()``: gradients accumulate locally and the last backward
+        reduces the mini-batch's sum once, as one step of plain DDP does. Every rank then reduces
+        once a mini-batch, whatever number of micro-batches its own memory allowed.
+
+        Except on the first step of ``static_graph=True``: PyTorch's reducer fails (an internal
+        assert) when a static graph's first backward runs under ``no_sync()``, so until DDP has
+        run one reduced backward every micro-batch, and every probe, is reduced."""
+        no_sync = getattr(self.model, "no_sync", None)
+        if last or not callable(no_sync) or _static_graph_not_yet_recorded(self.model):
+            return contextlib.nullcontext()
+        return no_sync()
 
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -413,3 +432,10 @@ class MicroBatchStreamer:
             return
         if is_installed():
             retag(micro, self.input_tag)
+
+
+def _static_graph_not_yet_recorded(model: nn.Module) -> bool:
+    """DDP(static_graph=True) before its first reduced backward (DDP's own flag for it; a wrapper
+    without the flag counts as recorded)."""
+    return bool(getattr(model, "static_graph", False)) and not getattr(
+        model, "_static_graph_delay_allreduce_enqueued", True)

@@ -27,7 +27,7 @@ from ..tags import tag_module, tag_training
 from ..wrappers import unwrap_model
 
 __all__ = ["choose_policy", "install_before_cuda", "attach_planner", "Attached", "report", "summary_text",
-           "write_json", "local_rank"]
+           "write_json"]
 
 log = logging.getLogger("um_alloc")
 
@@ -49,9 +49,9 @@ def choose_policy(policy, budget, *, source: str) -> Policy:
     return chosen if budget is None else with_budget(chosen, budget, source=source)
 
 
-def install_before_cuda(policy: Policy, *, device: int, installed_by: str, too_late_hint: str):
-    """um_alloc.install(policy) on `device`; when CUDA has already started, a RuntimeError that
-    says what to move (`too_late_hint`) instead of install()'s own advice."""
+def install_before_cuda(policy: Policy, *, device: int | None, installed_by: str, too_late_hint: str):
+    """um_alloc.install(policy) on `device` (None: LOCAL_RANK, else 0); when CUDA has already
+    started, a RuntimeError that says what to move (`too_late_hint`) instead of install()'s own advice."""
     if torch.cuda.is_initialized():
         raise RuntimeError(f"{installed_by}: CUDA was initialised before um_alloc could install, and PyTorch "
                            f"takes a new allocator only before CUDA starts. {too_late_hint}")
@@ -62,8 +62,7 @@ def install_for_callback(budget, policy, device: int | None, too_late_hint: str)
     """What a framework callback does when made: the policy (choose_policy) installed on `device`
     (default LOCAL_RANK), before CUDA starts."""
     chosen = choose_policy(policy, budget, source="UMAllocCallback(budget=...)")
-    return install_before_cuda(chosen, device=local_rank() if device is None else device,
-                               installed_by="UMAllocCallback", too_late_hint=too_late_hint)
+    return install_before_cuda(chosen, device=device, installed_by="UMAllocCallback", too_late_hint=too_late_hint)
 
 
 def attach_planner(model: torch.nn.Module, **options) -> BlockPlanner | None:
@@ -95,8 +94,8 @@ def _checkpoints_itself(model: torch.nn.Module) -> bool:
 
 def report(planner: BlockPlanner | None, **extra) -> dict:
     """The memory statistics and the plan, as plain data (what --json writes)."""
-    out = {"policy": installation().policy.name, "budget_bytes": installation().budget, **extra,
-           "memory_stats": memory_stats()}
+    out = {"policy": installation().policy.name, "budget_bytes": installation().budget,
+           "device": installation().device, **extra, "memory_stats": memory_stats()}
     if planner is not None:
         out["planner"] = planner.to_dict()
         out["plan_table"] = planner.table()
@@ -139,8 +138,3 @@ class Attached:
         if self._own_planner:
             self.planner.remove()
         return data
-
-
-def local_rank() -> int:
-    """The CUDA device of this process: LOCAL_RANK under torchrun and the frameworks' launchers, else 0."""
-    return int(os.environ.get("LOCAL_RANK", 0))

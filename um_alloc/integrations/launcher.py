@@ -1,12 +1,13 @@
 """``python -m um_alloc run``: a training script under um_alloc, unchanged.
 
-    python -m um_alloc run [--policy P] [--budget SIZE] [--json OUT] [--profile] script.py ARGS...
+    python -m um_alloc run [--policy P] [--budget SIZE] [--device N] [--json OUT] [--profile] script.py ARGS...
     python -m um_alloc run [...] -m package.module ARGS...
     torchrun --nproc-per-node 2 -m um_alloc run --budget 12GiB train.py ARGS...
 
-In order: the launcher's own flags are checked (the policy's errors, exit status 2); the
-unified-memory counters start (--profile); um_alloc installs on the device of ``LOCAL_RANK`` (0
-without torchrun); the script runs as ``python script.py ARGS`` would run it (``__main__``,
+In order: the launcher's own flags and torchrun's RANK and LOCAL_RANK are checked (the policy's
+errors, exit status 2); the unified-memory counters start (--profile); um_alloc installs on
+--device, else the device of ``LOCAL_RANK`` (0 without torchrun), with the budget for that GPU
+alone; the script runs as ``python script.py ARGS`` would run it (``__main__``,
 ``sys.argv``, ``sys.path[0]``), with the model and optimizer found, tagged and planned through
 global hooks (auto.py); at the end the memory summary and the plan go to stderr, so the script's
 stdout stays its own, and --json writes them. The exit status is the script's; its traceback is
@@ -22,8 +23,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import PolicyError
+from ..errors import At, PolicyError
 from ..policy import Policy
+from ..ranks import ChosenDevice, choose_device, global_rank
 from .attach import choose_policy, install_before_cuda, report, summary_text, write_json
 
 __all__ = ["Target", "LaunchError", "check", "launch", "run_target"]
@@ -64,30 +66,42 @@ def budget_value(text: str | None):
     return float(text) if "." in text else int(text)
 
 
-def check(target: Target, policy: str | None, budget: str | None, json_path: str | None) -> Policy:
-    """Everything about the flags that can be wrong, before any CUDA work; raises LaunchError."""
+@dataclass(frozen=True)
+class Launch:
+    """What the checks settled: the policy, this process's GPU and its rank (for the report's name)."""
+    policy: Policy
+    device: ChosenDevice
+    rank: int
+
+
+def check(target: Target, policy: str | None, budget: str | None, json_path: str | None,
+          device: int | None = None) -> Launch:
+    """Everything about the flags and torchrun's variables that can be wrong, before any CUDA
+    work; raises LaunchError."""
     if target.script is not None and not Path(target.script).is_file():
         raise LaunchError(f"{PROG}: can't open file {target.script!r}: no such file", EXIT_USAGE)
     if json_path is not None and Path(json_path).is_dir():
         raise LaunchError(f"{PROG}: --json {json_path}: is a directory; give a file name", EXIT_USAGE)
     try:
-        return choose_policy(policy, budget_value(budget), source="--budget")
+        chosen = choose_policy(policy, budget_value(budget), source="--budget")
+        return Launch(chosen, choose_device(device, At("command line", "--device")), global_rank())
     except PolicyError as error:
         raise LaunchError(f"{PROG}: {error}", EXIT_USAGE) from None
 
 
 def launch(target: Target, *, policy: str | None = None, budget: str | None = None, json_path: str | None = None,
-           profile: bool = False) -> int:
+           profile: bool = False, device: int | None = None) -> int:
     """Checks, installs, runs the target, reports; returns the exit status (the script's)."""
     try:
-        chosen = check(target, policy, budget, json_path)
+        checked = check(target, policy, budget, json_path, device)
     except LaunchError as error:
         print(error, file=sys.stderr)
         return error.status
-    rank, device = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    counters = _start_counters(device) if profile else None
-    try:
-        install_before_cuda(chosen, device=device, installed_by="python -m um_alloc run", too_late_hint=TOO_LATE)
+    rank = checked.rank
+    counters = _start_counters(checked.device.index) if profile else None
+    try:  # install() resolves LOCAL_RANK again, the same way, and its errors name where the device came from
+        install_before_cuda(checked.policy, device=device, installed_by="python -m um_alloc run",
+                            too_late_hint=TOO_LATE)
     except (RuntimeError, PolicyError) as error:
         print(f"{PROG}: um_alloc could not install: {error}", file=sys.stderr)
         return EXIT_FAILED
@@ -161,7 +175,8 @@ def _report(auto, target: Target, status: int, json_path: str | None, rank: int)
     header = f"\n{PROG}: {target.name} exited with status {status}" + (f" (rank {rank})" if rank else "")
     try:
         text, data = summary_text(auto.planner), report(auto.planner, exit_status=status, target=target.name,
-                                                        model=type(auto.model).__name__ if auto.model else None)
+                                                        model=type(auto.model).__name__ if auto.model else None,
+                                                        rank=rank)
     except Exception as error:  # noqa: BLE001  e.g. the GPU is gone after the script's own failure
         print(f"{header}; no memory report: {type(error).__name__}: {error}", file=sys.stderr)
         return
