@@ -9,6 +9,7 @@ from um_alloc.planner import BlockPlanner, Decision, UnitCost, evaluate
 from um_alloc.planner import rebuilt as rebuilt_module
 from um_alloc.planner.planning import Calibration, Segment
 from um_alloc.rebuild import Recipe
+from planner_helpers import ScaledAfter
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,27 +174,6 @@ def test_calibration_counts_the_bytes_replay_rebuilds(monkeypatch):
 def test_a_held_input_changed_in_place_after_its_block_stops_backward():
     """The blocks' linears save bf16 casts of their input, which the model then scales in place:
     plain autograd is content (it saved the casts), a rebuild from the scaled input would not be."""
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.linear(x)
-
-    class ScaledAfter(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            h = x * 1.0
-            for block in self.blocks:
-                y = block(h)
-                h.mul_(2.0)
-                h = (y + h).float()
-            return h.sum()
 
     torch.manual_seed(0)
     model, x = ScaledAfter(), torch.randn(4, 8, requires_grad=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner, Decision, find_units
-from um_alloc.planner.replay import Runtime, StepSpec
+from um_alloc.planner.replay import Runtime
+from planner_helpers import Block, Fixed, ScaledAfter, decisions_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,19 +20,6 @@ def tiny_bert(dropout: float = 0.1):
     return transformers.BertForMaskedLM(config).double().train()
 
 
-class Fixed:
-    """A director that gives every step the same decisions and counts what ended."""
-
-    def __init__(self, decisions):
-        self.decisions, self.ended = decisions, []
-
-    def begin(self, signature, partial=False):
-        return StepSpec(self.decisions)
-
-    def end(self, step, completed):
-        self.ended.append(completed)
-
-
 def gradients(model, ids):
     torch.manual_seed(1)
     model.zero_grad(set_to_none=True)
@@ -40,9 +28,6 @@ def gradients(model, ids):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def decisions_for(units, decision):
-    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
-    return tuple(decision if u.kind == "block" else gap for u in units) + (gap,)
 
 
 @pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
@@ -296,33 +281,6 @@ def test_a_block_called_twice_under_autocast_recomputes_selectively(decision):
     loss, planned = step(model)
     runtime.detach()
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.linear(x)
-
-
-class ScaledAfter(torch.nn.Module):
-    """Scales each block's input in place once the block has run. Under autocast the blocks'
-    linears save bf16 casts of it, not it, so plain autograd trains; a rerun would read it scaled."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([Block(), Block()])
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        h = x * 1.0
-        for block in self.blocks:
-            y = block(h)
-            h.mul_(2.0)
-            h = (y + h).float()
-        return self.head(h).sum()
 
 
 def _scaled_step(model, x):

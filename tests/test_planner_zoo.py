@@ -18,7 +18,8 @@ import torch
 
 from um_alloc.planner import BlockPlanner, Decision, find_units
 from um_alloc.planner import rebuilt as rebuilt_module
-from um_alloc.planner.replay import Runtime, StepSpec
+from um_alloc.planner.replay import Runtime
+from planner_helpers import Fixed, decisions_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,26 +165,12 @@ def test_the_layers_of_a_module_list_between_blocks_are_gaps_not_the_list():
     assert "convnext.encoder.stages.1.downsampling_layer" not in gaps
 
 
-class Fixed:
-    """A director that gives every step the same decisions."""
-
-    def __init__(self, decisions):
-        self.decisions, self.ended = decisions, []
-
-    def begin(self, signature, partial=False):
-        return StepSpec(self.decisions)
-
-    def end(self, step, completed):
-        self.ended.append(completed)
-
-
 @pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
 @pytest.mark.parametrize("name", ZOO)
 def test_every_decision_trains_as_plain_autograd_in_float64(name, decision):
     model, batch, plain = float64_reference(name)
     units = find_units(model, ZOO[name][3])
-    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
-    director = Fixed(tuple(decision if u.kind == "block" else gap for u in units) + (gap,))
+    director = Fixed(decisions_for(units, decision))
     runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
     runtime.attach()
     try:
@@ -251,9 +238,7 @@ def autocast_reference(name: str):
 def test_every_decision_trains_as_plain_autograd_under_autocast(name, decision):
     model, batch, plain = autocast_reference(name)
     units = find_units(model, ZOO[name][3])
-    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(tuple(decision if u.kind == "block" else gap
-                                                                     for u in units) + (gap,)), 1 << 20, min_bytes=1)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), 1 << 20, min_bytes=1)
     runtime.attach()
     try:
         planned = step(model, batch, autocast=True)

@@ -1,0 +1,51 @@
+"""What the planner's CPU tests share: a director with fixed decisions, and a model that changes a
+block's input in place after the block has run."""
+import torch
+
+from um_alloc.planner import Decision
+from um_alloc.planner.replay import StepSpec
+
+
+class Fixed:
+    """A director that gives every step the same decisions and counts what ended."""
+
+    def __init__(self, decisions):
+        self.decisions, self.ended = decisions, []
+
+    def begin(self, signature, partial=False):
+        return StepSpec(self.decisions)
+
+    def end(self, step, completed):
+        self.ended.append(completed)
+
+
+def decisions_for(units, decision):
+    gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
+    return tuple(decision if u.kind == "block" else gap for u in units) + (gap,)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class ScaledAfter(torch.nn.Module):
+    """Scales each block's input in place once the block has run. Under autocast the blocks'
+    linears save bf16 casts of it, not it, so plain autograd trains; a rerun would read it scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = x * 1.0
+        for block in self.blocks:
+            y = block(h)
+            h.mul_(2.0)
+            h = (y + h).float()
+        return self.head(h).sum()
