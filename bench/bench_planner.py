@@ -21,8 +21,8 @@ import argparse
 import math
 from pathlib import Path
 
-from harness import (RESULTS, Run, new_run_id, protocol_record, raw_policy, run_train, with_scheduler,
-                     write_policy, write_result)
+from harness import (RESULTS, Run, new_run_id, protocol_record, raw_policy, run_train, smallest_fitting,
+                     with_scheduler, write_policy, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -47,7 +47,8 @@ def um_run(args, name: str, policy: Path) -> Run:
 
 def search_frontier(args, fits_all: dict | None, stock: dict | None, timeout: float):
     """The smallest k whose first-k checkpointing fits: a guess from the two ends' peaks (memory
-    falls about linearly with k), then steps of one until the boundary is found."""
+    falls about linearly with k), then steps of one until the boundary is found (k None: not even
+    every layer checkpointed fits)."""
     budget = parse_size(args.budget, key="--budget", source="command line")
     if fits_all is None:
         return None, None, []
@@ -55,15 +56,13 @@ def search_frontier(args, fits_all: dict | None, stock: dict | None, timeout: fl
     if stock and stock.get("peak_bytes") and fits_all.get("peak_bytes"):
         per_layer = (stock["peak_bytes"] - fits_all["peak_bytes"]) / LAYERS
         guess = min(LAYERS, max(0, math.ceil((stock["peak_bytes"] - 0.92 * budget) / per_layer)))
-    tried: dict[int, dict | None] = {LAYERS: fits_all}
-    k = guess
-    while 0 <= k < LAYERS and k not in tried:
-        tried[k] = run_train(stock_run(args, f"frontier_k{k}", "--checkpointing", str(k)), timeout)[0]
-        _progress(f"frontier_k{k}", tried[k])
-        k = k - 1 if tried[k] is not None else k + 1
-    fitting = sorted(k for k, summary in tried.items() if summary is not None)
-    best = fitting[0]
-    return best, tried[best], sorted(tried)
+
+    def fits(k: int) -> dict | None:
+        summary = run_train(stock_run(args, f"frontier_k{k}", "--checkpointing", str(k)), timeout)[0]
+        _progress(f"frontier_k{k}", summary)
+        return summary
+
+    return smallest_fitting(fits, guess, LAYERS, known={LAYERS: fits_all})
 
 
 def main() -> int:

@@ -56,6 +56,12 @@ class Run:
     script: Path = TRAIN                      # rmm_train.py for the RMM peer
     env: dict = field(default_factory=dict)
     skip: str | None = None                   # why it is not run (listed in the table anyway)
+    launch: tuple[str, ...] = ()              # Python flags ahead of the script: torchrun(n) starts n processes
+
+
+def torchrun(processes: int) -> tuple[str, ...]:
+    """Run.launch for `processes` processes on this host under torchrun (python -m torch.distributed.run)."""
+    return ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes))
 
 
 def new_run_id(benchmark: str, now: datetime | None = None) -> str:
@@ -74,14 +80,15 @@ def run_train(run: Run, timeout: float) -> tuple[dict | None, str, str]:
     the note the last lines of its stderr, the summary what the run wrote with --json."""
     with tempfile.TemporaryDirectory() as tmp:
         summary_path = Path(tmp) / "summary.json"
-        cmd = [sys.executable, str(run.script), *run.train_args, "--json", str(summary_path)]
+        cmd = [sys.executable, *run.launch, str(run.script), *run.train_args, "--json", str(summary_path)]
         print(f"[{run.name}] $ {' '.join(cmd[1:])}", flush=True)
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(run.env))
         except subprocess.TimeoutExpired:
             return _outcome(run, None, "timeout", f"ran past {timeout} s")
         tail = " ".join(done.stderr.strip().splitlines()[-3:])[-300:]
-        if done.returncode == EXIT_OOM:
+        # Under torchrun a rank's exit status is not the launcher's: train.py's message tells.
+        if done.returncode == EXIT_OOM or (done.returncode != 0 and "train.py: out of GPU memory" in done.stderr):
             return _outcome(run, None, "oom", tail)
         if done.returncode != 0 or not summary_path.exists():
             print(done.stderr[-3000:], file=sys.stderr)
@@ -128,6 +135,30 @@ def largest_batch(probe: Callable[[int], bool], start: int, limit: int) -> int:
         if batch == 0:  # batch 1 failed
             break
     return fits
+
+
+def smallest_fitting(fits: Callable[[int], dict | None], start: int, largest: int,
+                     known: dict[int, dict | None] | None = None) -> tuple[int | None, dict | None, list[int]]:
+    """(k, its summary, every k tried) for the smallest k in 0..largest whose run fits (fits(k)
+    returns a summary, None for a run that does not), where more k fits more surely (k layers
+    checkpointed): from `start` one step down while runs fit, one up while they do not. `known`
+    holds runs made already (k: summary). k None: not even `largest` fits."""
+    tried = dict(known or {})
+
+    def fitting() -> list[int]:
+        return sorted(k for k, summary in tried.items() if summary is not None)
+
+    def boundary_found() -> bool:  # the smallest fit's neighbour below failed, or nothing fits
+        return fitting()[0] == 0 or fitting()[0] - 1 in tried if fitting() else largest in tried
+
+    k = max(0, min(start, largest))
+    while not boundary_found():
+        if k not in tried:
+            tried[k] = fits(k)
+        k = k - 1 if tried[k] is not None else k + 1
+    if not fitting():
+        return None, None, sorted(tried)
+    return fitting()[0], tried[fitting()[0]], sorted(tried)
 
 
 # --- records -----------------------------------------------------------------------------------

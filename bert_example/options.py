@@ -55,9 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="DIR", help="save checkpoints in DIR")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="steps between checkpoints (default 10)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR")
+    _add_parallel(p.add_argument_group("several GPUs (under torchrun)"))
     _add_memory_savers(p.add_argument_group("memory savers"))
     _add_measurements(p.add_argument_group("measurements"))
     return p
+
+
+def _add_parallel(p) -> None:
+    p.add_argument("--parallel", choices=("ddp", "fsdp"),
+                   help="one process per GPU under torchrun: DistributedDataParallel, or FSDP2 (fully_shard on every "
+                        "encoder layer); --batch-size is per process, --budget and --memory-limit per GPU")
+    p.add_argument("--fsdp-cpu-offload", action="store_true",
+                   help="with --parallel fsdp: FSDP2's CPUOffloadPolicy (shards in pinned host memory, the optimizer "
+                        "step on the CPU)")
+
+
+def check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--parallel's checks; returns the number of processes (1 without --parallel)."""
+    from bert_example.parallel import world_from_environment
+
+    if args.fsdp_cpu_offload and args.parallel != "fsdp":
+        parser.error("--fsdp-cpu-offload applies to --parallel fsdp only")
+    if args.parallel is None:
+        return 1
+    world = world_from_environment()
+    if world is None:
+        parser.error(f"--parallel {args.parallel} runs one process per GPU under torchrun, which sets WORLD_SIZE; "
+                     f"start it as: torchrun --nproc-per-node N bert_example/train.py --parallel {args.parallel} ...")
+    clash = [flag for flag, given in (("--micro-batch", args.micro_batch is not None),
+                                      ("--checkpoint", args.checkpoint is not None)) if given]
+    if clash:
+        parser.error(f"--parallel does not combine with {', '.join(clash)}: train.py streams micro-batches and "
+                     "writes checkpoints for one process only")
+    return world
 
 
 def _add_memory_savers(p) -> None:

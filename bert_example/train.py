@@ -34,7 +34,8 @@ from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa
 from bert_example.summary import device_used, print_summary, summarize  # noqa: E402,F401
 from um_alloc.floor import BudgetBelowFloor  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
-                                  check_policy, memory_limit_bytes, size_bytes, warmup_steps)
+                                  check_parallel, check_policy, memory_limit_bytes, size_bytes, warmup_steps)
+from bert_example.parallel import Parallel, device_of_rank  # noqa: E402
 
 EXIT_OOM = 3           # exit status when the GPU runs out of memory (bench scripts test for it)
 EXIT_INTERRUPTED = 130  # exit status after Ctrl-C (SIGINT): 128 + 2, as a shell reports a run it ended
@@ -111,10 +112,11 @@ def _tag_context(args: argparse.Namespace, name: str):
 
 # --- training ----------------------------------------------------------------------------------
 
-def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype, clock: PhaseClock | None = None):
+def make_step_fn(args, model, optimizer, device: torch.device, autocast_dtype, clock: PhaseClock | None = None,
+                 loss_fn=None):
     """Returns step(host_batch) -> loss (float): plain, or streamed in micro-batches. A clock
     (plain steps only) is marked around forward, backward and the optimizer step."""
-    loss_fn = lambda m, batch: m(**batch).loss  # noqa: E731  mean over masked tokens
+    loss_fn = loss_fn or (lambda m, batch: m(**batch).loss)  # mean over masked tokens
     if args.micro_batch is not None:
         from um_alloc.microbatch import MicroBatchStreamer
 
@@ -179,14 +181,16 @@ def save_on_cpu(step_fn, device: torch.device):
     return step
 
 
-def train_loop(args, step_fn, source, first_step: int, on_step_done, retry=None) -> tuple[list[float], list[float]]:
+def train_loop(args, step_fn, source, first_step: int, on_step_done, retry=None,
+               show_progress: bool = True) -> tuple[list[float], list[float]]:
     """Runs steps first_step..args.steps-1 with a progress bar; returns (losses, step seconds).
     With `retry` (a planner is attached), a step that runs out of memory is run again, after
     retry() has thrown away its partial gradients; the planner keeps less from then on."""
     from tqdm import tqdm
 
     losses, seconds = [], []
-    bar = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps, desc="train", unit="step")
+    bar = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps, desc="train", unit="step",
+               disable=not show_progress)
     for step in bar:
         batch = source.batch(step)
         start = time.perf_counter()
@@ -219,28 +223,32 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
     return checkpoint
 
 
-def build_training(args, vocab_size: int, device: torch.device):
-    """The model, fused AdamW, and the block planner when the policy asks for one; tagged for
-    um_alloc when it is the allocator."""
+def build_training(args, vocab_size: int, device: torch.device, parallel: Parallel | None = None):
+    """(the model the step runs, fused AdamW, the block planner when the policy asks for one or
+    None); tagged for um_alloc when it is the allocator. Under --parallel the model the step runs
+    is DDP's or FSDP2's."""
     model = build_model(args, vocab_size)
-    if args.allocator == "um":
+    sharded = parallel is not None and parallel.kind == "fsdp"
+    if args.allocator == "um" and not sharded:  # FSDP2's floor is its shards': checked once sharded
         check_budget_floor(model)
-    with _tag_context(args, "parameter"):
-        model = model.to(device)
     if args.checkpointing is not None:
         checkpoint_layers(model, args.checkpointing)
+    with _tag_context(args, "parameter"):
+        model = parallel.shard(model, device, args.fsdp_cpu_offload) if sharded else model.to(device)
     # Fused: one kernel reads and writes each moment once per step (foreach reads them up to three
-    # times), which matters when a policy keeps optimizer state in host memory.
+    # times), which matters when a policy keeps optimizer state in host memory. FSDP2's sharded
+    # parameters take PyTorch's default (foreach on the GPU, a loop on the CPU with its offload).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
-                                  fused=device.type == "cuda")
+                                  fused=device.type == "cuda" and not sharded)
+    planner = None
     if args.allocator == "um":
         import um_alloc
 
         um_alloc.tag_training(model, optimizer)
         if um_alloc.installation().policy.scheduler.spill_min_size:  # large_batch.yaml, say
             um_alloc.spill_from(model.cls)  # the MLM head and the loss: logits grow with the vocabulary
-        return model, optimizer, attach_planner(model)
-    return model, optimizer, None
+        planner = attach_planner(model)
+    return (parallel.wrap(model, device) if parallel else model), optimizer, planner
 
 
 def checkpoint_layers(model, first: int) -> None:
@@ -271,18 +279,25 @@ def attach_planner(model):
     return um_alloc.plan(model, strategy=strategy)
 
 
-def build_step(args, model, optimizer, device: torch.device, limit: int | None, window: int | None):
-    """(step_fn, micro-batch streamer or None, ActivationOffload or None, PhaseClock or None)."""
+def build_step(args, model, optimizer, device: torch.device, limit: int | None, window: int | None,
+               parallel: Parallel | None = None):
+    """(step_fn, micro-batch streamer or None, ActivationOffload or None, PhaseClock or None).
+    Under --parallel, step_fn takes the global batch and returns its mean loss over the ranks."""
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.no_bf16 else None
     clock = PhaseClock(device) if args.phase_times else None
-    step_fn, streamer = make_step_fn(args, model, optimizer, device, autocast_dtype, clock)
+    step_fn, streamer = make_step_fn(args, model, optimizer, device, autocast_dtype, clock,
+                                     loss_fn=parallel.loss if parallel else None)
     step_fn = save_on_cpu(step_fn, device) if args.offload == "save_on_cpu" else step_fn
     offload = make_offload(args, device, limit, window)
     step_fn = offload_activations(step_fn, offload) if offload else step_fn
+    step_fn = parallel.step(step_fn) if parallel else step_fn
     return step_fn, streamer, offload, clock
 
 
-def write_summary(summary: dict, args, profiler) -> dict:
+def write_summary(summary: dict, args, profiler, parallel: Parallel | None = None) -> dict:
+    """Prints the summary and writes --json; under --parallel, the first rank alone."""
+    if parallel is not None and not parallel.is_first:
+        return summary
     print_summary(summary, args.allocator)
     profiler.report(summary)
     if args.json:
@@ -295,11 +310,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    world = check_parallel(parser, args)
+    if args.parallel:
+        args.device = device_of_rank(args.device)
     limit = memory_limit_bytes(parser, args)
     window = size_bytes(parser, args.offload_window, "--offload-window")
     checkpoint = resume_point(parser, args)
     try:
-        source = make_source(args.data, args.batch_size, args.seq_len, args.seed,
+        source = make_source(args.data, args.batch_size * world, args.seq_len, args.seed,
                              checkpoint["data"] if checkpoint else None)
     except (OSError, ValueError) as error:
         parser.error(str(error))
@@ -309,42 +327,48 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
     used_before = device_used(device)
-    try:
-        model, optimizer, planner = build_training(args, source.vocab_size, device)
-    except BudgetBelowFloor as error:
-        parser.error(str(error))
-    first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
-    del checkpoint
-    progress = Progress(args.steps, args.checkpoint, done=first_step, saved=first_step if args.resume else None)
+    with Parallel.joined(args.parallel, device) as parallel:  # None without --parallel
+        try:
+            model, optimizer, planner = build_training(args, source.vocab_size, device, parallel)
+        except BudgetBelowFloor as error:
+            parser.error(str(error))
+        first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
+        del checkpoint
+        progress = Progress(args.steps, args.checkpoint, done=first_step, saved=first_step if args.resume else None)
 
-    def on_step_done(done: int) -> None:
-        progress.done = done
-        if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
-            progress.save(checkpoint_state(done, model, optimizer, source, device, args))
+        def on_step_done(done: int) -> None:
+            progress.done = done
+            if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
+                progress.save(checkpoint_state(done, model, optimizer, source, device, args))
 
-    step_fn, streamer, offload, clock = build_step(args, model, optimizer, device, limit, window)
-    rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
-    step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
-    step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
-    retry = (lambda: optimizer.zero_grad(set_to_none=True)) if planner else None
-    try:
-        losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry)
-    except KeyboardInterrupt as interrupt:
-        raise TrainingInterrupted(progress.interrupted_text()) from interrupt
-    summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
-    summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing), **profiler.finish(args.warmup_steps))
-    if planner is not None:
-        summary["planner"] = planner.to_dict()
-        summary["plan_table"] = planner.table()
-    if offload is not None:
-        summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
-                                         **dataclasses.asdict(offload.stats)}
-    summary.update(clock.summary(args.warmup_steps) if clock else {})
-    if rates:
-        summary["link_rates"] = rates
-    if args.trace:
-        summary["trace"] = args.trace
-    return write_summary(summary, args, profiler)
+        step_fn, streamer, offload, clock = build_step(args, model, optimizer, device, limit, window, parallel)
+        rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
+        step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
+        step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
+        # Under --parallel a rank that ran out of memory cannot run its step again alone: the others
+        # are inside that step's collectives. Its error ends the run, and torchrun ends the others.
+        retry = (lambda: optimizer.zero_grad(set_to_none=True)) if planner and not parallel else None
+        try:
+            losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry,
+                                         show_progress=parallel is None or parallel.is_first)
+        except KeyboardInterrupt as interrupt:
+            raise TrainingInterrupted(progress.interrupted_text()) from interrupt
+        summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
+        summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing), **profiler.finish(args.warmup_steps))
+        if planner is not None:
+            summary["planner"] = planner.to_dict()
+            summary["plan_table"] = planner.table()
+        if offload is not None:
+            summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
+                                             **dataclasses.asdict(offload.stats)}
+        summary.update(clock.summary(args.warmup_steps) if clock else {})
+        if rates:
+            summary["link_rates"] = rates
+        if args.trace:
+            summary["trace"] = args.trace
+        if parallel is not None:
+            parallel.summarize(summary)
+        return write_summary(summary, args, profiler, parallel)
 
 
 def cli(argv: list[str] | None = None) -> int:

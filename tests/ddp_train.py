@@ -16,6 +16,9 @@ Cases (the planner with decisions=["recompute"]: every block recomputed, the gap
                         when a static graph's first backward runs under no_sync()
   stream                um_alloc.microbatch.MicroBatchStreamer accumulates two micro-batches a step
   stream-static-graph   the same with static_graph=True (its first step reduces every micro-batch)
+  fsdp-plan-then-shard  FSDP2 instead of DDP: the planner attached, then fully_shard on every layer
+                        and the model (parameters, gradients and SGD's state sharded over the ranks)
+  fsdp-shard-then-plan  fully_shard first, the planner given the sharded model
 
 Every case trains STEPS steps of SGD on the same GLOBAL_BATCH sequences a step, split between the
 ranks; the reference trains on the whole of each. Saved per case: the loss of the global batch each
@@ -34,7 +37,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS 
 import torch  # noqa: E402
 
 CASES = ("plan-then-wrap", "wrap-then-plan", "static-graph", "find-unused", "no-sync", "static-graph-no-sync",
-         "stream", "stream-static-graph")
+         "stream", "stream-static-graph", "fsdp-plan-then-shard", "fsdp-shard-then-plan")
 STEPS, GLOBAL_BATCH, SEQUENCE, VOCAB = 4, 8, 16, 97
 
 
@@ -53,7 +56,9 @@ def global_batches() -> list[torch.Tensor]:
 
 
 def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().flatten().cpu() for t in tensors])
+    """One CPU vector of the tensors; a DTensor (FSDP2's) gathered whole from every rank."""
+    whole = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors)
+    return torch.cat([t.detach().flatten().cpu() for t in whole])
 
 
 def reference(device: torch.device) -> dict:
@@ -75,21 +80,17 @@ def reference(device: torch.device) -> dict:
 
 
 def ddp_case(case: str, rank: int, world: int, device: torch.device, budget: str | None) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from um_alloc.planner import BlockPlanner
 
-    options = {"static_graph": "static-graph" in case, "find_unused_parameters": case == "find-unused",
-               "device_ids": [device.index] if device.type == "cuda" else None}
     model = tiny_bert(device)
     budget = budget or "1GiB"  # on the CPU no GPU memory is counted: the decisions below set the plan
-    if case == "wrap-then-plan":
-        wrapped = DDP(model, **options)
+    if case in ("wrap-then-plan", "fsdp-shard-then-plan"):
+        wrapped = _wrapped(case, model, device)
         planner = BlockPlanner(wrapped, budget, decisions=["recompute"])
     else:
         planner = BlockPlanner(model, budget, decisions=["recompute"])
-        wrapped = DDP(model, **options)
-    reductions = _count_reductions(wrapped)
+        wrapped = _wrapped(case, model, device)
+    reductions = None if case.startswith("fsdp") else _count_reductions(wrapped)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     forward_backward = _forward_backward(case, wrapped, GLOBAL_BATCH // world // 2, device)
     out = {"losses": [], "rank_losses": []}
@@ -104,9 +105,23 @@ def ddp_case(case: str, rank: int, world: int, device: torch.device, budget: str
         out["losses"].append(loss.item() / world)
     out["params"] = flat(model.parameters())
     out["decisions"] = [d.value for d in planner.plan.decisions]
-    out["reductions"] = len(reductions)
+    out["reductions"] = None if reductions is None else len(reductions)
     planner.remove()
     return out
+
+
+def _wrapped(case: str, model, device: torch.device):
+    """DDP with the case's options around `model`, or for the fsdp cases `model` sharded by FSDP2."""
+    if case.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        return fully_shard(model)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, static_graph="static-graph" in case, find_unused_parameters=case == "find-unused",
+               device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _count_reductions(wrapped) -> list:

@@ -48,6 +48,8 @@ def test_a_run_gets_its_arguments_the_json_path_and_this_checkout_first_on_the_p
 
 @pytest.mark.parametrize("body, status", [
     ("sys.stderr.write('CUDA out of memory\\n'); sys.exit(3)", "oom"),
+    # torchrun exits 1 whatever its worker's status: train.py's message says out of memory
+    ("sys.stderr.write('train.py: out of GPU memory: CUDA out of memory\\n'); sys.exit(1)", "oom"),
     ("sys.stderr.write('Traceback: boom\\n'); sys.exit(1)", "failed (exit 1)"),
     ("sys.exit(0)", "failed (exit 0)"),  # exit 0 but no summary written
     ("time.sleep(30)", "timeout"),
@@ -67,6 +69,40 @@ def test_a_child_returns_its_last_json_line_or_raises(tmp_path):
     bad.write_text("raise SystemExit('no GPU')\n")
     with pytest.raises(RuntimeError, match="no GPU"):
         harness.run_child([str(bad)], timeout=60)
+
+
+def test_a_run_under_torchrun_starts_its_processes_with_the_launch_flags(tmp_path):
+    script = stand_in(tmp_path, """
+        rank = os.environ["RANK"]
+        if rank == "0":
+            json.dump({"world": os.environ["WORLD_SIZE"]}, open(json_path, "w"))
+    """)
+    run = harness.Run("r", "", [], script=script, launch=harness.torchrun(2))
+    summary, status, _ = harness.run_train(run, timeout=120)
+    assert status == "ok" and summary == {"world": "2"}
+
+
+@pytest.mark.parametrize("smallest, start, k, probes", [
+    (19, 21, 19, [21, 20, 19, 18]),   # fits at the start: down until it does not
+    (19, 17, 19, [17, 18, 19]),       # does not fit: up until it does
+    (0, 1, 0, [1, 0]),                # down to no layer at all
+    (None, 23, None, [23, 24]),       # not even every layer
+])
+def test_the_checkpointing_frontier_is_the_smallest_k_that_fits(smallest, start, k, probes):
+    tried = []
+
+    def fits(layers):
+        tried.append(layers)
+        return {"k": layers} if smallest is not None and layers >= smallest else None
+    found, summary, seen = harness.smallest_fitting(fits, start, 24)
+    assert found == k and tried == probes and seen == sorted(probes)
+    assert summary == (None if k is None else {"k": k})
+
+
+def test_a_known_run_is_not_made_again():
+    tried = []
+    found, _, seen = harness.smallest_fitting(lambda k: tried.append(k) or {"k": k}, 24, 24, known={24: {"k": 24}})
+    assert tried == list(range(23, -1, -1)) and found == 0 and 24 in seen
 
 
 def test_importable_says_why_not():

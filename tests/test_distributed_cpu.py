@@ -55,10 +55,10 @@ def test_ddp_with_the_planner_trains_as_one_process_on_the_global_batch(trained,
 def test_gradients_are_reduced_once_a_step_with_no_sync_and_with_the_streamer(trained):
     """One reduced backward a step, whatever the micro-batches; the streamer under a static graph
     reduces both micro-batches of its first step (PyTorch's reducer fails otherwise), once a step after."""
-    reductions = {case: trained[0][case]["reductions"] for case in CASES}
+    reductions = {case: trained[0][case]["reductions"] for case in CASES if not case.startswith("fsdp")}
     per_step = reductions["plan-then-wrap"] // STEPS
     assert per_step >= 1 and reductions["plan-then-wrap"] == STEPS * per_step
-    expected = {case: STEPS * per_step for case in CASES} | {"stream-static-graph": (STEPS + 1) * per_step}
+    expected = {case: STEPS * per_step for case in reductions} | {"stream-static-graph": (STEPS + 1) * per_step}
     assert reductions == expected
 
 

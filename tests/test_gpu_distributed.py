@@ -51,3 +51,31 @@ def test_each_rank_installed_on_its_own_gpu_with_its_own_budget(trained):
         installed = trained[rank]["um_alloc"]
         assert installed["device"] == rank and installed["budget_bytes"] == BUDGET
         assert installed["peak_live_bytes"] > 0  # the model and its activations came from this GPU's pool
+
+
+TRAIN = Path(__file__).resolve().parent.parent / "bert_example" / "train.py"
+TINY = ["--model", "tiny", "--seq-len", "64", "--steps", "6", "--dropout", "0", "--no-bf16", "--deterministic"]
+
+
+def _train_json(tmp_path: Path, name: str, *flags: str, processes: int = 1) -> dict:
+    summary = tmp_path / f"{name}.json"
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] if processes > 1 else []
+    done = subprocess.run([sys.executable, *launch, str(TRAIN), *TINY, *flags, "--json", str(summary)],
+                          capture_output=True, text=True, timeout=600, env=checkout_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    return json.loads(summary.read_text())
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_train_py_with_the_planner_on_every_gpu_follows_one_gpu_on_the_global_batch(tmp_path, kind):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices")
+    one = _train_json(tmp_path, "one", "--allocator", "stock", "--batch-size", str(WORLD * 8))
+    ranks = _train_json(tmp_path, kind, "--parallel", kind, "--batch-size", "8", "--allocator", "um",
+                        "--policy", "planner.yaml", "--budget", BUDGET_TEXT, processes=WORLD)
+    assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-4)  # float32, sums in other orders
+    assert ranks["parallel"]["world"] == WORLD and ranks["batch"] == WORLD * 8
+    assert ranks["planner"]["plan"]["decisions"]  # the planner planned on the ranks
+    assert 0 < ranks["peak_bytes"] <= BUDGET

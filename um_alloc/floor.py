@@ -22,6 +22,7 @@ import torch
 from .install import installation, is_installed
 from .policy import Policy, host_mapped
 from .sizes import format_size
+from .tensor_trees import local_shard
 
 __all__ = ["Floor", "BudgetBelowFloor", "floor_of", "check_budget"]
 
@@ -133,6 +134,7 @@ def _state_copies(optimizer, group: dict) -> int | None:
 
 
 def _bytes(tensor: torch.Tensor) -> int:
+    tensor = local_shard(tensor)  # under FSDP2 a rank holds its shard of each
     return tensor.numel() * tensor.element_size()
 
 

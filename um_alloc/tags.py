@@ -16,7 +16,7 @@ from .install import installation, is_installed
 from .pool import ChunkPool
 from .sizes import positive_size_arg
 from .tag_names import DEFAULT_TAG, TAGS, tag_index
-from .tensor_trees import tensors
+from .tensor_trees import local_shard, tensors
 from .wrappers import unwrap_model, unwrap_optimizer
 
 __all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training",
@@ -60,7 +60,7 @@ def retag(obj: Any, name: str) -> int:
     installation()  # raises a clear error when um_alloc is not installed
     tag_index(name)
     by_device: dict[int, set[int]] = {}
-    for t in tensors(obj):
+    for t in map(local_shard, tensors(obj)):
         if t.is_cuda and t.untyped_storage().nbytes():
             by_device.setdefault(t.device.index, set()).add(t.untyped_storage().data_ptr())
     for device, bases in by_device.items():

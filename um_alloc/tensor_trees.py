@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["tensor_leaves", "tensors", "map_tensors"]
+__all__ = ["tensor_leaves", "tensors", "map_tensors", "local_shard"]
 
 
 def tensor_leaves(tree: Any, path: str | None = None, *,
@@ -37,6 +37,23 @@ def tensor_leaves(tree: Any, path: str | None = None, *,
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
     """The tensors in `tree`; other leaves are skipped."""
     return (tensor for _, tensor in tensor_leaves(tree))
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this process stores: a DTensor's local shard (FSDP2's parameters, their
+    gradients and optimizer state hold 1/world of the whole each), any other tensor itself."""
+    if _is_dtensor(tensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:

@@ -86,7 +86,7 @@ def half_written_save(save, step: int, pause):
 def with_losses(train_loop, at: tuple[str, int], pause, on_loss):
     """train.py's train_loop, each step's loss handed to on_loss(step, loss), and the pause in
     the forward of step N when `at` is ("step", N)."""
-    def loop(args, step_fn, source, first_step, on_step_done, retry=None):
+    def loop(args, step_fn, source, first_step, on_step_done, retry=None, **options):
         next_step = [first_step]  # a step that ran out of memory and is retried keeps its number
 
         def step(batch):
@@ -96,7 +96,7 @@ def with_losses(train_loop, at: tuple[str, int], pause, on_loss):
             on_loss(next_step[0], loss)
             next_step[0] += 1
             return loss
-        return train_loop(args, step, source, first_step, on_step_done, retry)
+        return train_loop(args, step, source, first_step, on_step_done, retry, **options)
     return loop
 
 
