@@ -198,9 +198,12 @@ def train_loop(args, step_fn, source, first_step: int, on_step_done, retry=None,
             try:
                 loss = step_fn(batch)  # returns a Python float: the GPU has finished the step
                 break
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as error:
                 if retry is None or attempt == RETRIES:
                     raise
+                reason = (str(error).strip().splitlines() or ["no message"])[0][:300]
+                tqdm.write(f"train.py: step {step} ran out of memory ({reason}); running it again, the "
+                           f"planner keeping less ({attempt + 1} of {RETRIES})", file=sys.stderr)
                 retry()
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
