@@ -181,9 +181,13 @@ def _unpack(packed):
 
 @dataclass
 class _Tried:
-    """A recipe rebuilt during a recomputation, its comparison with the tensor still on the GPU."""
+    """A recipe rebuilt during a recomputation, its comparison with the tensor still on the GPU.
+    Not the recipe itself: it holds the tensors it rebuilds from, which must go with the
+    recomputation's own (a recomputation that stops early leaves this in a reference cycle with
+    its frame until Python's cycle collector runs: a whole step's activations on the GPU)."""
     place: int
-    recipe: Recipe
+    signature: tuple
+    base_key: object
     nbytes: int
     storage: int
     timing: tuple            # (start clock, end clock, host seconds) of building its base
@@ -244,7 +248,7 @@ class RebuildProbe:
         with torch.no_grad():
             base = recipe.build_base(_unchanged, tensor.device.type)
         timing = (start, self._timer(), time.perf_counter() - host)
-        tried.append(_Tried(place, recipe, tensor.numel() * tensor.element_size(),
+        tried.append(_Tried(place, recipe.signature(), recipe.base_key, tensor.numel() * tensor.element_size(),
                             tensor.untyped_storage().data_ptr(), timing, _differs(recipe.shape(base), tensor)))
 
     def _settle(self, tried: list) -> None:
@@ -253,14 +257,14 @@ class RebuildProbe:
         storages, bases = set(), set()
         for t in tried:
             equal = not bool(t.differs)
-            self._note(t.place, t.recipe.signature() if equal else None)
+            self._note(t.place, t.signature if equal else None)
             if not equal:
                 continue
             if t.storage not in storages:
                 storages.add(t.storage)
                 self.rebuilt_bytes += t.nbytes
-            if t.recipe.base_key not in bases:
-                bases.add(t.recipe.base_key)
+            if t.base_key not in bases:
+                bases.add(t.base_key)
                 self.timings.append(t.timing)
 
     def _note(self, place: int, signature) -> None:
