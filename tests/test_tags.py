@@ -40,6 +40,24 @@ def test_state_is_born_under_its_tag_and_later_steps_run_as_scratch(retags):
     tags.remove()
 
 
+def test_a_step_that_raised_leaves_its_scope_at_the_next_step(retags):
+    """PyTorch runs no post-hook after a step that raised (out of memory): the next step's pre-hook
+    closes its scope, so that the step after it runs under its own tag, not under the failed one's."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tags = TrainingTags(model, optimizer)
+    seen = []
+    failing = optimizer.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("test")))
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer.step()
+    failing.remove()
+    optimizer.register_step_pre_hook(lambda *_: seen.append(_current_tag()))
+    optimizer.step()
+    assert seen == ["optimizer_state"] and _current_tag() == "activation"
+    tags.remove()
+
+
 def test_state_made_by_a_later_step_is_retagged_after_it(retags):
     first, second = torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(first.parameters(), lr=0.1)

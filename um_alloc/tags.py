@@ -106,19 +106,23 @@ class StepTags:
         self._step_scope = None
 
     def before(self, optimizer) -> None:
+        self._close_scope()  # a step that raised (out of memory) never reached after()
         retag([p.grad for p in self._params if p.grad is not None], "gradient")
         settled = self._state_count == _state_count(optimizer) > 0
         self._step_scope = tag("other" if settled else "optimizer_state")
         self._step_scope.__enter__()
 
     def after(self, optimizer) -> None:
-        if self._step_scope is not None:  # None: attached after this step's pre-hooks had run
-            self._step_scope.__exit__(None, None, None)
-            self._step_scope = None
+        self._close_scope()  # none open: attached after this step's pre-hooks had run
         count = _state_count(optimizer)
         if count != self._state_count:  # new state tensors: retag once, not every step
             self._state_count = count
             tag_optimizer(optimizer)
+
+    def _close_scope(self) -> None:
+        if self._step_scope is not None:
+            self._step_scope.__exit__(None, None, None)
+            self._step_scope = None
 
 
 def optimizer_params(optimizer) -> list:
