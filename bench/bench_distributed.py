@@ -35,8 +35,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from harness import (RESULTS, Run, new_run_id, protocol_record, raw_policy, run_train, smallest_fitting, torchrun,
-                     with_scheduler, write_policy, write_result)
+from harness import (RESULTS, Run, new_run_id, protocol_record, rate_and_ratio_text, raw_policy, run_train,
+                     smallest_fitting, torchrun, with_scheduler, write_policy, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -214,8 +214,7 @@ def report(records: list[dict], budget: int, gpus: int) -> None:
     print(f"\nbudget {format_size(budget)} per GPU, {gpus} GPUs, run {records[0]['run_id']}")
     print(f"{'method':<18}{'samples/s':>10}{'vs stock':>10}{'peak/GPU':>11}  note")
     for r in records:
-        rate = "failed" if r["samples_per_s"] is None else f"{r['samples_per_s']:.1f}"
-        ratio = "" if r["ratio_vs_stock"] is None else f"{r['ratio_vs_stock']:.3f}"
+        rate, ratio = rate_and_ratio_text(r)
         peak = "" if r["peak_bytes_per_gpu"] is None else format_size(r["peak_bytes_per_gpu"])
         note = (f"k={r['checkpointed_layers']}" if r.get("checkpointed_layers") is not None else
                 f"scaling {r['scaling_vs_one_gpu_planner']:.3f}" if r.get("scaling_vs_one_gpu_planner") else

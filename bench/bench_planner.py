@@ -21,8 +21,8 @@ import argparse
 import math
 from pathlib import Path
 
-from harness import (RESULTS, Run, new_run_id, protocol_record, raw_policy, run_train, smallest_fitting,
-                     with_scheduler, write_policy, write_result)
+from harness import (RESULTS, Run, new_run_id, protocol_record, rate_and_ratio_text, raw_policy, run_train,
+                     smallest_fitting, with_scheduler, write_policy, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -130,8 +130,7 @@ def _report(records: list[dict], budget: int) -> None:
     print(f"\nbudget {format_size(budget)}, run {records[0]['run_id']}")
     print(f"{'method':<15}{'samples/s':>10}{'vs stock':>10}{'high-water':>12}  note")
     for r in records:
-        rate = "failed" if r["samples_per_s"] is None else f"{r['samples_per_s']:.1f}"
-        ratio = "" if r["ratio_vs_stock"] is None else f"{r['ratio_vs_stock']:.3f}"
+        rate, ratio = rate_and_ratio_text(r)
         water = "" if r["highwater_bytes"] is None else format_size(r["highwater_bytes"])
         note = f"k={r['checkpointed_layers']}" if r.get("checkpointed_layers") is not None else \
             (f"predicted {1e3 * r['predicted_step_s']:.0f} ms" if r.get("predicted_step_s") else r.get("status", ""))

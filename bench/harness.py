@@ -190,6 +190,14 @@ def protocol_record(summary: dict | None, *, run_id: str, stock_samples_per_s: f
     return {**record, **overrides}
 
 
+def rate_and_ratio_text(record: dict) -> tuple[str, str]:
+    """A record's samples/s ("failed" for a run that did not finish) and its ratio to stock, as a
+    comparison's text table shows them."""
+    rate = "failed" if record["samples_per_s"] is None else f"{record['samples_per_s']:.1f}"
+    ratio = "" if record["ratio_vs_stock"] is None else f"{record['ratio_vs_stock']:.3f}"
+    return rate, ratio
+
+
 def write_result(name: str, record, out: Path = RESULTS) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
