@@ -1,7 +1,8 @@
-"""The block planner under DistributedDataParallel on the CPU: two processes with the gloo backend
-(tests/ddp_train.py, started with the variables torchrun sets) train a tiny BERT with every block
-recomputed, with DDP's options, no_sync() accumulation and um_alloc's micro-batch streamer, and
-match one process training the same global batch.
+"""The block planner under DistributedDataParallel and FSDP2 on the CPU: two processes with the
+gloo backend (tests/ddp_train.py, started with the variables torchrun sets) train a tiny BERT with
+every block recomputed, with DDP's options, no_sync() accumulation, um_alloc's micro-batch
+streamer and fully_shard before or after the planner, and match one process training the same
+global batch.
 
 Equal to a tolerance, not bit for bit: DDP divides each rank's gradient by the world size and
 sums the ranks' in its all-reduce, where one process takes the mean over the whole batch at once;

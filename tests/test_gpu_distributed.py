@@ -1,7 +1,8 @@
-"""um_alloc in each of two processes under DistributedDataParallel with NCCL: every rank installs
+"""um_alloc in each of two processes under DistributedDataParallel and FSDP2 with NCCL: every rank installs
 on its own GPU (LOCAL_RANK) with its own budget, the planner recomputes every block, and the
 training matches one process on the global batch (tests/ddp_train.py, as on the CPU with gloo in
-test_distributed_cpu.py). Needs two GPUs; skipped with fewer.
+test_distributed_cpu.py), and bert_example/train.py --parallel with the planner on both GPUs.
+Needs two GPUs; skipped with fewer.
 
     python -m pytest -q -m gpu tests/test_gpu_distributed.py
 """
