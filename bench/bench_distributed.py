@@ -110,7 +110,8 @@ def measure(args, runs: Runs) -> dict[str, tuple[dict | None, dict]]:
     """Every method asked for: name -> (summary or None, what the record adds)."""
     methods, done = args.methods.split(","), {}
     simple = {"stock": runs.stock("stock"), "planner": runs.planner("planner"),
-              "ddp_stock": runs.stock("ddp_stock", parallel="ddp"), "ddp_planner": runs.planner("ddp_planner", parallel="ddp"),
+              "ddp_stock": runs.stock("ddp_stock", parallel="ddp"),
+              "ddp_planner": runs.planner("ddp_planner", parallel="ddp"),
               "fsdp_stock": runs.stock("fsdp_stock", parallel="fsdp"),
               "fsdp_planner": runs.planner("fsdp_planner", parallel="fsdp")}
     for name in METHODS:
@@ -175,7 +176,8 @@ def main() -> int:
         args.steps, args.warmup = 20, 2
         runs = Runs(args, planned_policy(out), "--deterministic")
         record = {"run_id": run_id, "gpus": args.gpus, "budget_bytes": budget, "batch_per_gpu": args.batch,
-                  "what": "BERT-Large MLM, bf16, deterministic kernels, dropout 0, 20 steps", **compare_losses(args, runs)}
+                  "what": "BERT-Large MLM, bf16, deterministic kernels, dropout 0, 20 steps",
+                  **compare_losses(args, runs)}
         print("wrote", write_result("distributed_losses", record, out))
         print({k: v for k, v in record["largest_difference"].items()})
         return 0

@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
         except KeyboardInterrupt as interrupt:
             raise TrainingInterrupted(progress.interrupted_text()) from interrupt
         summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
-        summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing), **profiler.finish(args.warmup_steps))
+        summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing),
+                       **profiler.finish(args.warmup_steps))
         if planner is not None:
             summary["planner"] = planner.to_dict()
             summary["plan_table"] = planner.table()

@@ -60,7 +60,8 @@ TINY = ["--model", "tiny", "--seq-len", "64", "--steps", "6", "--dropout", "0", 
 
 def _train_json(tmp_path: Path, name: str, *flags: str, processes: int = 1) -> dict:
     summary = tmp_path / f"{name}.json"
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] if processes > 1 else []
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    launch = launch if processes > 1 else []
     done = subprocess.run([sys.executable, *launch, str(TRAIN), *TINY, *flags, "--json", str(summary)],
                           capture_output=True, text=True, timeout=600, env=checkout_env())
     assert done.returncode == 0, done.stderr[-3000:]
