@@ -6,6 +6,7 @@ code asks for paths ("batch['labels']") and for every leaf to be a tensor.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -49,11 +50,18 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+@functools.cache
+def _dtensor_class() -> type | None:
+    """DTensor, looked up once: retag asks for every gradient of every step."""
     if not torch.distributed.is_available():
-        return False
+        return None
     from torch.distributed.tensor import DTensor
 
-    return isinstance(tensor, DTensor)
+    return DTensor
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
