@@ -90,12 +90,15 @@ class Parallel:
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """DDP around the model (after the planner attached: it plans the model DDP runs); FSDP2's
-        model is already sharded."""
+        model is already sharded. The gradients are views of DDP's buckets: otherwise the buckets
+        hold a second copy of every gradient (1.3 GiB of float32 for BERT-Large), which a budget
+        would have to find room for."""
         if self.kind != "ddp":
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
 
     # --- a step ------------------------------------------------------------------------------
 

@@ -168,6 +168,8 @@ def test_calibration_counts_the_bytes_replay_rebuilds(monkeypatch):
     first = next(iter(planner._shapes.values())).first
     calibrated = [first[j]["rebuildable_bytes"] for j, u in enumerate(planner.units) if u.kind == "block"]
     assert calibrated == [saves.rebuilt_bytes for saves in made] and all(calibrated)
+    finding = [first[j]["rebuild_forward_cpu_s"] for j, u in enumerate(planner.units) if u.kind == "block"]
+    assert all(0 < seconds < 1 for seconds in finding)  # the host's time of finding them, timed
     planner.remove()
 
 

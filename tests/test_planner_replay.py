@@ -102,6 +102,41 @@ def test_the_planner_attaches_to_a_plain_loop_and_plans_after_two_steps():
     planner.remove()
 
 
+def test_forced_decisions_run_from_the_next_step_and_come_with_their_prediction():
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(RuntimeError, match="no plan yet"):
+        planner.force("recompute")
+    block = next(u.module for u in planner.units if u.kind == "block")
+    calls = []  # forwards of a module inside the first block, during backward
+    next(block.children()).register_forward_hook(lambda *_: calls.append(1))
+    losses, runs = [], []
+    for step in range(4):
+        if step == 3:
+            forced = planner.force("recompute")
+            kinds = [u.kind for u in planner.calibration.units]
+            assert forced.decisions == tuple(Decision.RECOMPUTE if k == "block" else Decision.KEEP for k in kinds)
+            assert planner.plan is forced and forced.predicted_step_s > 0
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        calls.clear()
+        loss.backward()
+        losses.append(loss.item())
+        runs.append(len(calls))
+    assert runs == [1, 1, 0, 1]  # recomputed in backward while measuring, kept by the plan, then forced
+    assert losses[3] == losses[2]  # no optimizer: the same step, recomputed
+    units = planner.calibration.units
+    with pytest.raises(ValueError, match=r"force: not a decision this unit can take \(got 'recompute'; "
+                                         r"allowed: keep, move\)"):
+        planner.force(["recompute"] * len(units))  # the gaps cannot be recomputed
+    with pytest.raises(ValueError, match=f"not a list of {len(units)} decisions"):
+        planner.force(["keep"])
+    with pytest.raises(ValueError, match="not a decision this unit can take"):
+        planner.force("teleport")
+    planner.remove()
+
+
 @pytest.mark.parametrize("first, planned", [((4, 16), [False, False, True, True]),
                                             ((2, 8), [False, False, False, True])])
 def test_a_step_begun_from_a_global_hook_counts_for_the_next_input_if_its_positional_tensors_agree(first, planned):

@@ -39,7 +39,8 @@ from ..errors import At
 from ..sizes import format_size
 from ..wrappers import unwrap_model
 from .blocks import Unit, find_units
-from .planning import SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict, evaluate, make_plan
+from .planning import (BLOCK_DECISIONS, SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict,
+                       evaluate, make_plan, pool_repeats)
 from .record import MemoryProbe, StepRecorder, link_rate
 from .replay import Runtime, Step, StepSpec, input_signature
 
@@ -204,7 +205,8 @@ class BlockPlanner:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
             shape.signatures = recorder.signatures()
             return
-        shape.calibration = _with_first_step(cal, shape.first)
+        groups = [u.class_name for u in self.units] + [None]
+        shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
         shape.plan = self._make(shape.calibration)
 
     def _make(self, cal: Calibration) -> Plan:
@@ -224,6 +226,27 @@ class BlockPlanner:
         for shape in self._shapes.values():
             if shape.calibration is not None:
                 shape.plan = self._make(shape.calibration)
+
+    def force(self, decisions) -> Plan:
+        """Runs `decisions` instead of the plan for the input shape seen last, from its next step
+        on, and returns what the cost model predicts for them: an ablation, or a check of the
+        model against the measured step. `decisions` has one entry per unit and one for what is
+        saved outside them (Decision or its name; see ``calibration.units``), or is a single name
+        for every block, the gaps kept. Planning again (an out-of-memory step) replaces it."""
+        shape = next((s for s in self._shapes.values() if s.plan is not None and s.plan is self._current), None)
+        if shape is None:
+            raise RuntimeError("BlockPlanner.force: no plan yet; the first steps of an input shape measure")
+        units = shape.calibration.units
+        if isinstance(decisions, (str, Decision)):
+            every = _decision(decisions, BLOCK_DECISIONS)
+            decisions = [every if u.kind == "block" else Decision.KEEP for u in units]
+        forced = evaluate(shape.calibration, _forced(decisions, units), self.budget, margin_bytes=self.margin)
+        if forced.predicted_peak_bytes > forced.limit_bytes:
+            raise ValueError(f"BlockPlanner.force: these decisions are predicted to peak at "
+                             f"{format_size(forced.predicted_peak_bytes)}, over the {format_size(forced.limit_bytes)} "
+                             f"the budget of {format_size(self.budget)} leaves; keep less")
+        shape.plan = self._current = forced
+        return forced
 
     # -- what users read --
 
@@ -299,7 +322,8 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
 
 # Measured in the first calibration step only (it runs the probes, which slow it down); the time
 # and the bytes of everything else come from the second.
-_FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s")
+_FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s",
+                       "rebuild_forward_cpu_s")
 
 
 def _with_first_step(cal: Calibration, first: dict) -> Calibration:
@@ -323,6 +347,21 @@ def _decisions(names) -> frozenset[Decision]:
         raise _at("decisions").error("not a non-empty list of decisions", allowed=", ".join(allowed),
                                      received=names)
     return frozenset(allowed[n] for n in names)
+
+
+def _decision(value, allowed: tuple[Decision, ...]) -> Decision:
+    names = [d.value for d in allowed]
+    if isinstance(value, Decision) and value in allowed or value in names:
+        return Decision(value)
+    raise _at("force").error("not a decision this unit can take", allowed=", ".join(names), received=value)
+
+
+def _forced(decisions, units) -> tuple[Decision, ...]:
+    """Forced decisions, one a unit, each one its kind allows."""
+    if isinstance(decisions, str) or not isinstance(decisions, (list, tuple)) or len(decisions) != len(units):
+        raise _at("force").error(f"not a list of {len(units)} decisions (one a unit and one for what is saved "
+                                 "outside them), nor one decision for every block", received=decisions)
+    return tuple(_decision(d, u.allowed()) for d, u in zip(decisions, units))
 
 
 def _class_names(names) -> None:

@@ -191,7 +191,8 @@ class StepRecorder:
             return {}
         return {"rebuildable_bytes": probe.rebuilt_bytes,
                 "rebuild_s": sum(self._seconds(start, end) for start, end, _ in probe.timings),
-                "rebuild_cpu_s": sum(cpu for _, _, cpu in probe.timings)}
+                "rebuild_cpu_s": sum(cpu for _, _, cpu in probe.timings),
+                "rebuild_forward_cpu_s": probe.forward_cpu_s}
 
     def signatures(self) -> dict[int, dict]:
         """Per unit: the places among its saves where a recipe rebuilt equal (RebuiltSaves reads them)."""
