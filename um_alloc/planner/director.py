@@ -351,7 +351,7 @@ def _decisions(names) -> frozenset[Decision]:
 
 def _decision(value, allowed: tuple[Decision, ...]) -> Decision:
     names = [d.value for d in allowed]
-    if isinstance(value, Decision) and value in allowed or value in names:
+    if value in names:  # a name, or a Decision (a str)
         return Decision(value)
     raise _at("force").error("not a decision this unit can take", allowed=", ".join(names), received=value)
 

@@ -245,9 +245,9 @@ class RebuildProbe:
         if recipe is None:
             call.hold(tensor)
             self._note(place, None)
-            self.forward_cpu_s += time.perf_counter() - begun
-            return
         self.forward_cpu_s += time.perf_counter() - begun
+        if recipe is None:
+            return
         # Not held, as in replay, where it is rebuilt; should it turn out unequal, the recipes
         # that could have read it are missed, which costs bytes, not correctness.
         _keep_busy(tensor.device)
