@@ -1,12 +1,14 @@
 """The rebuild decision on the CPU: calibration finds what a kept block can rebuild, replay rebuilds
 it, and training is bit for bit plain autograd's; a recipe that does not rebuild equal is never used."""
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner, Decision, UnitCost, evaluate
 from um_alloc.planner import rebuilt as rebuilt_module
+from um_alloc.planner.rebuilt import Slot
 from um_alloc.planner.planning import Calibration, Segment
 from um_alloc.rebuild import Recipe
 from planner_helpers import ScaledAfter
@@ -81,16 +83,32 @@ def test_rebuilt_blocks_train_as_plain_autograd_does(monkeypatch):
     planner.remove()
 
 
+def recipes_of(planner: BlockPlanner) -> dict:
+    return next(iter(planner._shapes.values())).recipes
+
+
+def outline(recipe) -> tuple:
+    """What a place's recipe does, without the tensors and parameters it reads."""
+    what = recipe.func.__name__ if recipe.root == "call" else getattr(recipe.source, "kind", "")
+    return recipe.root, what, recipe.cast, recipe.size, recipe.stride, recipe.path
+
+
 def test_calibration_names_the_places_and_their_recipes():
     model = tiny_bert()
     ids = torch.randint(0, 97, (4, 32))
     planner = planned_rebuild(model, ids)
-    signatures = next(iter(planner._shapes.values())).signatures
+    recipes = recipes_of(planner)
     blocks = [j for j, u in enumerate(planner.units) if u.kind == "block"]
-    assert sorted(signatures) == blocks
-    roots = {sig[:2] for sig in signatures[blocks[0]].values()}
-    assert roots == {("call", "layer_norm"), ("call", "gelu"), ("held", "Source"), ("held", "Param")}
-    assert all(signatures[j] == signatures[blocks[0]] for j in blocks)  # the same layer, the same places
+    assert sorted(recipes) == blocks
+    roots = {outline(r)[:2] for r in recipes[blocks[0]].places.values()}
+    assert roots == {("call", "layer_norm"), ("call", "gelu"), ("held", "input"), ("param", "")}
+    outlines = [{p: outline(r) for p, r in recipes[j].places.items()} for j in blocks]
+    assert all(o == outlines[0] for o in outlines)  # the same layer, the same places
+    # Replay holds only what recipes read: the block's input, and the inputs of the LayerNorm after
+    # the attention and of the GELU (the last LayerNorm's output leaves the block; the next one's
+    # linears save their casts of it).
+    sources = recipes[blocks[0]].sources
+    assert Slot("input", 0) in sources and len(sources) == 3
     planner.remove()
 
 
@@ -101,21 +119,37 @@ def test_a_recipe_that_does_not_rebuild_equal_is_never_used(monkeypatch):
     plain = copy.deepcopy(model)
     ids = torch.randint(0, 97, (4, 32))
     planner = planned_rebuild(model, ids)
-    assert next(iter(planner._shapes.values())).signatures == {j: {} for j, u in enumerate(planner.units)
-                                                                if u.kind == "block"}
+    assert {j: r.places for j, r in recipes_of(planner).items()} == {j: {} for j, u in enumerate(planner.units)
+                                                                     if u.kind == "block"}
     assert_nothing_rebuilt_and_plain_gradients(model, plain, ids, monkeypatch)
     planner.remove()
 
 
-def test_a_save_that_differs_from_calibrations_is_kept(monkeypatch):
-    """Replay rebuilds a place only where the recipe's signature is calibration's."""
+def rebound_to_the_input(recipe):
+    """A LayerNorm's recipe made to read the block's input, of its own input's dtype and shape."""
+    (slot, *meta), = recipe.reads
+    args = tuple(Slot("input", 0) if a == slot else a for a in recipe.args)
+    edges = tuple((Slot("input", 0), index) for _, index in recipe.edges)
+    return dataclasses.replace(recipe, args=args, edges=edges, reads=((Slot("input", 0), *meta),))
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: dataclasses.replace(r, size=(1,) * len(r.size)),                      # another shape
+    lambda r: dataclasses.replace(r, path=("TanhBackward0",) * len(r.path)),         # another autograd path
+    lambda r: dataclasses.replace(r, node="TanhBackward0") if r.root == "call" else None,  # another function
+    lambda r: rebound_to_the_input(r) if outline(r)[:2] == ("call", "layer_norm") else None,
+], ids=["shape", "path", "function", "reads another tensor of the same shape"])
+def test_a_save_that_differs_from_calibrations_is_kept(monkeypatch, change):
+    """Replay rebuilds a place only where the tensor, its autograd path and the tensors its root
+    read are calibration's."""
     model = tiny_bert()
     plain = copy.deepcopy(model)
     ids = torch.randint(0, 97, (4, 32))
     planner = planned_rebuild(model, ids)
-    shape = next(iter(planner._shapes.values()))
-    shape.signatures = {j: {place: ("call", "tanh", None, (1,), (1,)) for place in places}
-                        for j, places in shape.signatures.items()}
+    for unit in recipes_of(planner).values():
+        changed = {p: change(r) for p, r in unit.places.items()}
+        unit.places = {p: r for p, r in changed.items() if r is not None}
+    assert any(unit.places for unit in recipes_of(planner).values())
     assert_nothing_rebuilt_and_plain_gradients(model, plain, ids, monkeypatch)
     planner.remove()
 
@@ -187,39 +221,15 @@ def test_a_held_input_changed_in_place_after_its_block_stops_backward():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x)
     assert planner.plan.counts()["rebuild"] == 2
-    assert all(("held", "Source") in {sig[:2] for sig in places.values()}  # the casts of each block's input
-               for places in next(iter(planner._shapes.values())).signatures.values())
+    assert all(("held", "input") in {outline(r)[:2] for r in unit.places.values()}  # casts of each block's input
+               for unit in recipes_of(planner).values())
     with pytest.raises(RuntimeError, match=r"a tensor of shape \(4, 8\) that blocks.1 holds to rebuild others from "
                                            r"was changed in place after its forward \(version 0 -> 1\)"):
         loss.backward()
     planner.remove()
 
 
-def test_a_rebuilt_call_lets_go_of_its_tensors_when_backward_is_done():
-    """What a rebuilt call held goes with its backward, not when Python's cycle collector runs."""
-    import gc
-    import weakref
-
-    from um_alloc.planner.rebuilt import RebuiltSaves
-
-    linear = torch.nn.Linear(8, 8)
-    x = torch.randn(4, 8, requires_grad=True)
-    gc.collect()
-    gc.disable()
-    try:
-        h = x * 2.0
-        seen = weakref.ref(h)
-        saves = RebuiltSaves(torch.device("cpu"), 1, {0: None})
-        with torch.autocast("cpu", dtype=torch.bfloat16), saves.around((h,), {}):
-            out = torch.nn.functional.gelu(linear(h))
-        out.sum().backward()
-        del h, out, saves
-        assert seen() is None
-    finally:
-        gc.enable()
-
-
-@pytest.mark.parametrize("decision", ["keep", "recompute_moved"])
+@pytest.mark.parametrize("decision", ["keep", "rebuild", "recompute_moved"])
 def test_no_step_leaves_its_activations_for_the_cycle_collector(decision):
     """After each step's backward nothing of its forward is alive, also while Python's cycle
     collector does not run: on a GPU, a calibration step whose activations waited for it held a

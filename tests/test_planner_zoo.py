@@ -192,7 +192,7 @@ class RebuiltPerCall:
 
         def counting(saves, tensor):
             out = pack(saves, tensor)
-            seen = self.calls.setdefault(id(saves), [len(saves._signatures), 0, saves])
+            seen = self.calls.setdefault(id(saves), [len(saves._recipes.places), 0, saves])
             seen[1] += type(out) is rebuilt_module._Rebuilt
             return out
         monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", counting)
@@ -213,11 +213,11 @@ def test_the_planner_rebuilds_under_autocast_as_plain_autograd_trains(name, monk
         planned = step(model, batch, autocast=True)  # its start closed the calibration: the plan's step
         assert planner.plan.counts()["rebuild"] == sum(u.kind == "block" for u in planner.units)
         assert same(planned, step(plain, batch, autocast=True))
-        places = next(iter(planner._shapes.values())).signatures
+        places = next(iter(planner._shapes.values())).recipes
     finally:
         planner.remove()
     rebuilt = sum(n for _, n, _ in counter.calls.values())
-    roots = {sig[1] for p in places.values() for sig in p.values() if sig[0] == "call"}
+    roots = {r.func.__name__ for unit in places.values() for r in unit.places.values() if r.root == "call"}
     print(f"{name}: {rebuilt} saved tensors rebuilt in {len(counter.calls)} calls of {len(places)} blocks; "
           f"calls rebuilt: {', '.join(sorted(roots)) or 'none (weight casts only)'}")
     assert rebuilt > 0 and roots == calls  # at the least, each block's weights' casts

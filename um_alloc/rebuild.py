@@ -86,6 +86,7 @@ class Recipe:
     cast: torch.dtype | None
     size: tuple
     stride: tuple
+    path: tuple = ()  # the autograd nodes' type names from the saved tensor down to its root's
 
     @property
     def sources(self) -> list:
@@ -174,14 +175,14 @@ class RootRecorder:
         """How to rebuild `tensor` (views of at most one cast of a root), or None."""
         if tensor.grad_fn is None or not _covers_storage(tensor):
             return None
-        node, nr, cast = tensor.grad_fn, tensor.output_nr, None
+        node, nr, cast, path = tensor.grad_fn, tensor.output_nr, None, []
         for _ in range(MAX_CHAIN):
             found = self._roots.get((id(node), nr))
             if found is not None and found[0] is node:
-                return _recipe(tensor, found[1], cast)
+                return _recipe(tensor, found[1], cast, path)
             name = type(node).__name__
             if name == "AccumulateGrad":
-                return _recipe(tensor, self._leaf(node.variable), cast)
+                return _recipe(tensor, self._leaf(node.variable), cast, path)
             if len(node.next_functions) != 1 or (cast is not None and not self._views_under_casts):
                 return None   # views of a cast of a view: the layout need not be the root's
             if name == CAST_NODE:
@@ -190,6 +191,7 @@ class RootRecorder:
                 cast = tensor.dtype
             elif name not in VIEW_NODES:
                 return None
+            path.append(name)
             node, nr = node.next_functions[0]
             if node is None:
                 return None
@@ -229,10 +231,10 @@ class _CheapCallMode(TorchFunctionMode):
 _UNHELD = object()
 
 
-def _recipe(tensor: torch.Tensor, root: Call | Held, cast) -> Recipe | None:
+def _recipe(tensor: torch.Tensor, root: Call | Held, cast, path: list) -> Recipe | None:
     if root.numel != tensor.numel():
         return None  # a view of part of the root: not its whole storage
-    return Recipe(root, cast, tuple(tensor.size()), tuple(tensor.stride()))
+    return Recipe(root, cast, tuple(tensor.size()), tuple(tensor.stride()), tuple(path))
 
 
 def _value(value, fetch):

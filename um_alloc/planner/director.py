@@ -61,7 +61,7 @@ class _Shape:
     """What the planner knows of one input shape."""
     calibrated: int = 0
     first: dict = field(default_factory=dict)      # unit -> figures only the first step measures
-    signatures: dict = field(default_factory=dict)  # unit -> the places its saves rebuild equal
+    recipes: dict = field(default_factory=dict)  # unit -> what its saves rebuild equal from (UnitRecipes)
     calibration: Calibration | None = None
     plan: Plan | None = None
     failures: int = 0                              # safe-mode steps that ran out of memory
@@ -141,7 +141,7 @@ class BlockPlanner:
         if shape.plan is not None:
             self._current = shape.plan
             self._note_start(shape.plan)
-            return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.signatures)
+            return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.recipes)
         first = shape.calibrated == 0
         if first:
             log.info("planner: measuring %d steps in the safe mode for input %s", CALIBRATION_STEPS,
@@ -203,7 +203,7 @@ class BlockPlanner:
         shape.calibrated += 1
         if shape.calibrated < CALIBRATION_STEPS:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
-            shape.signatures = recorder.signatures()
+            shape.recipes = recorder.recipes()
             return
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)

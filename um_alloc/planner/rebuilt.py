@@ -8,11 +8,17 @@ weights. In a BERT-Large block that is about half of what it saves. Kept but reb
 holds the rest, and backward reruns a cast, a LayerNorm or a GELU where it needs one.
 
 Calibration finds them (RebuildProbe): while the first measured step recomputes each block, every
-saved tensor with a recipe is rebuilt on the spot and compared with the tensor, byte for byte. The
-equal ones, by their place among the unit's saves, are what a plan may count on, with their bytes
-and the time the rebuilds took. Replay (RebuiltSaves) rebuilds a tensor only where that place in
-the unit has a recipe of the same signature and keeps the others, so a step that differs costs
-bytes, never a wrong gradient.
+saved tensor with a recipe is rebuilt on the spot and compared with it, byte for byte. A recipe is
+kept in terms of places (PlaceRecipe): the tensor saved at place p is a view of a cast of GELU of
+the tensor saved at place q (or of the unit's input k, or of a parameter), through these autograd
+nodes. The equal ones, with their bytes and the time the rebuilds took, are what a plan may count on.
+
+Replay (RebuiltSaves) watches none of the unit's calls, which would cost the host a Python dispatch
+of every op in forward: at a place with a recipe it checks that the tensor's dtype, shape and
+strides, the types of the autograd nodes down to its root, and the root's inputs (the tensors held
+at calibration's places) are calibration's, and stands the recipe in for the tensor; elsewhere it
+keeps the tensor, so a step that differs costs bytes, never a wrong gradient. It holds only the
+saves and inputs some recipe reads.
 
 A recipe's root is either a cheap call recorded while the unit ran, or a tensor the unit holds:
 one it saved, or its own input, which the unit holds for this (the plan counts a kept unit's inputs)
@@ -29,17 +35,151 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ..byte_views import storage_bytes
-from ..rebuild import Held, Recipe, RootRecorder
+from ..rebuild import MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Source, _root_of
 from ..tensor_trees import tensors as _tensors
 
-__all__ = ["RebuildProbe", "RebuiltSaves", "Signatures"]
+__all__ = ["RebuildProbe", "RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
 
-Signatures = dict  # place among a unit's eligible saves -> Recipe.signature() that rebuilt equal
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor a unit holds came from: its `index`-th input, or its save at place `index`."""
+    kind: str    # "input" or "save"
+    index: int
+
+
+class ParamRef:
+    """A parameter a recipe reads, the same object in every step (its version is read as it is held)."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ParamRef) and other.tensor is self.tensor
+
+    def __hash__(self) -> int:
+        return id(self.tensor)
+
+
+@dataclass(frozen=True)
+class PlaceRecipe:
+    """How calibration rebuilt the tensor a unit saves at one place, in terms of what the unit holds
+    (its inputs, its saves at earlier places, parameters), so that replay need not watch the
+    unit's calls: it checks the saved tensor's autograd path against calibration's and binds the
+    held tensors by place.
+
+    root: "call" (rerun `func` on `args`), "held" (the tensor held at `source`) or "param".
+    """
+    root: str
+    path: tuple                  # node type names from the saved tensor down to the root
+    cast: torch.dtype | None
+    dtype: torch.dtype
+    size: tuple
+    stride: tuple
+    nbytes: int                  # of its storage, which it covers
+    reads: tuple = ()            # (Slot, dtype, size, stride) of each held tensor it reads
+    source: Any = None           # "held": a Slot; "param": a ParamRef
+    func: Callable | None = None
+    args: tuple = ()             # Slots, ParamRefs and plain values
+    kwargs: tuple = ()           # (name, value) pairs, values as in args
+    autocast: tuple = ()
+    node: str = ""               # the root node's type name ("call")
+    edges: tuple = ()            # (Slot of a tensor it reads, index among the root node's inputs)
+
+    def bind(self, tensor: torch.Tensor, held: dict) -> tuple[Recipe, tuple] | None:
+        """The recipe for `tensor` saved at this place, and the key of the base it shares with
+        other places, or None where this call differs from calibration's at this place."""
+        if (tensor.dtype != self.dtype or tensor.size() != self.size or tensor.stride() != self.stride
+                or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != self.nbytes):
+            return None
+        entries = {}
+        for slot, dtype, size, stride in self.reads:
+            entry = held.get(slot)
+            if entry is None or entry.tensor.dtype != dtype or entry.tensor.size() != size \
+                    or entry.tensor.stride() != stride:
+                return None
+            entries[slot] = entry
+        node, nr = tensor.grad_fn, tensor.output_nr
+        for name in self.path:
+            if node is None or type(node).__name__ != name:
+                return None
+            node, nr = node.next_functions[0]
+        root = self._root(node, nr, entries)
+        if root is None:
+            return None
+        return Recipe(root, self.cast, self.size, self.stride), (id(node), nr, self.cast)
+
+    def _root(self, node, nr: int, entries: dict) -> Call | Held | None:
+        if node is None:
+            return None
+        if self.root == "param":
+            param = self.source.tensor
+            ok = type(node).__name__ == "AccumulateGrad" and node.variable is param
+            return Held(Param(param, param._version), param.numel()) if ok else None
+        if self.root == "held":
+            entry = entries[self.source]
+            return Held(Source(entry), entry.tensor.numel()) if _reaches(node, nr, entry.tensor) else None
+        if type(node).__name__ != self.node:
+            return None
+        inputs = node.next_functions
+        for slot, index in self.edges:
+            fn, fn_nr = inputs[index]
+            edge = get_gradient_edge(entries[slot].tensor)
+            if fn is not edge.node or fn_nr != edge.output_nr:
+                return None
+        args = tuple(_bound(a, entries) for a in self.args)
+        kwargs = {k: _bound(v, entries) for k, v in self.kwargs}
+        return Call(self.func, args, kwargs, self.autocast, tensor_numel(self.size))
+
+
+@dataclass
+class UnitRecipes:
+    """What calibration found a unit can rebuild: a PlaceRecipe per place, the places and inputs
+    they read (the only saves replay holds on to), and the autocast state the unit ran under."""
+    places: dict = field(default_factory=dict)   # place -> PlaceRecipe
+    autocast: tuple = ()
+
+    @property
+    def sources(self) -> frozenset:
+        return frozenset(slot for recipe in self.places.values() for slot, *_ in recipe.reads)
+
+
+def tensor_numel(size: tuple) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _bound(value, entries: dict):
+    if isinstance(value, Slot):
+        return Source(entries[value])
+    if isinstance(value, ParamRef):
+        return Param(value.tensor, value.tensor._version)
+    return value
+
+
+def _reaches(node, nr: int, tensor: torch.Tensor) -> bool:
+    """Whether (node, nr), reached from a saved tensor, is where `tensor`'s storage was made:
+    its root below its views, or its accumulator if it is a leaf (as a recomputed unit's input is
+    in calibration, and the same input kept is not in replay)."""
+    if tensor.grad_fn is None:
+        return type(node).__name__ == "AccumulateGrad" and node.variable is tensor
+    want, want_nr = _root_of(tensor)
+    for _ in range(MAX_CHAIN):
+        if node is want and nr == want_nr:
+            return True
+        if node is None or type(node).__name__ not in VIEW_NODES or len(node.next_functions) != 1:
+            return False
+        node, nr = node.next_functions[0]
+    return False
 
 
 @dataclass
@@ -74,6 +214,7 @@ class _Kept:
     tensor: torch.Tensor
     version: int
     unit: str
+    slot: Slot | None = None
 
 
 def _unchanged(entry: _Kept) -> torch.Tensor:
@@ -87,25 +228,48 @@ def _unchanged(entry: _Kept) -> torch.Tensor:
     return tensor
 
 
+class _Eligible:
+    """Which saves count as places: on the unit's device, at least min_bytes, not a parameter (nor
+    a view of one). Not "a leaf that requires grad": a recomputed unit's input is one, the same
+    input kept is not, and both must count the same places."""
+    __slots__ = ("device", "min_bytes")
+
+    def __init__(self, device: torch.device, min_bytes: int):
+        self.device, self.min_bytes = device, min_bytes
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        if tensor.nbytes < self.min_bytes or tensor.device != self.device:
+            return False
+        base = tensor._base
+        return not isinstance(base if base is not None else tensor, torch.nn.Parameter)
+
+
+def _inputs(values) -> list[torch.Tensor]:
+    """A unit's tensor inputs as calibration numbers them: its positional, then keyword arguments."""
+    args, kwargs = values
+    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+
+
 @dataclass
 class _UnitCall:
-    """One call of a unit: the tensors it holds, and the roots recipes may start from."""
-    device: torch.device
-    min_bytes: int
+    """One call of a unit in calibration: the tensors it holds, and the roots recipes may start from."""
+    eligible: _Eligible
     unit: str = ""                              # its name, for errors
     held: dict = field(default_factory=dict)   # (id, version) -> _Kept
+    by_slot: dict = field(default_factory=dict)  # Slot -> _Kept: what replay finds held
     saves: int = 0                              # eligible saves so far
 
     def __post_init__(self):
-        self.roots = RootRecorder(self.held_of, self.device.type, views_under_casts=True)
+        self.roots = RootRecorder(self.held_of, self.eligible.device.type, views_under_casts=True)
 
     def held_of(self, tensor: torch.Tensor) -> _Kept | None:
         entry = self.held.get((id(tensor), tensor._version))
         return entry if entry is not None and entry.tensor is tensor else None
 
-    def hold(self, tensor: torch.Tensor) -> None:
-        entry = _Kept(tensor, tensor._version, self.unit)
+    def hold(self, tensor: torch.Tensor, slot: Slot) -> None:
+        entry = _Kept(tensor, tensor._version, self.unit, slot)
         self.held[(id(tensor), tensor._version)] = entry
+        self.by_slot[slot] = entry
         self.roots.add_held(tensor, entry)
 
     def close(self) -> None:
@@ -114,19 +278,12 @@ class _UnitCall:
         for Python's cycle collector, past their backward."""
         self.roots.clear()
         self.held.clear()
+        self.by_slot.clear()
 
-    def hold_inputs(self, values) -> None:
-        for t in _tensors(values):
-            if self.eligible(t):
-                self.hold(t)
-
-    def eligible(self, tensor: torch.Tensor) -> bool:
-        """On the unit's device, at least min_bytes, not a parameter (nor a view of one). Not "a
-        leaf that requires grad": a recomputed unit's input is one, the same input kept is not,
-        and both must count the same places."""
-        base = tensor._base if tensor._base is not None else tensor
-        return (tensor.device == self.device and tensor.numel() * tensor.element_size() >= self.min_bytes
-                and not isinstance(base, torch.nn.Parameter))
+    def hold_inputs(self, tensors: list) -> None:
+        """Holds the unit's eligible tensor inputs, numbered as replay numbers them (_inputs)."""
+        for k, t in enumerate(t for t in tensors if self.eligible(t)):
+            self.hold(t, Slot("input", k))
 
     def place(self) -> int:
         self.saves += 1
@@ -141,38 +298,100 @@ class _UnitCall:
         return recipe
 
 
+def place_recipe(recipe: Recipe, tensor: torch.Tensor) -> PlaceRecipe | None:
+    """`recipe`, found while `tensor` was saved, in terms of places: None where replay could not
+    check it (a held tensor it reads that does not require grad, whose autograd edge says nothing)."""
+    node, nr = tensor.grad_fn, tensor.output_nr
+    for _ in recipe.path:
+        node, nr = node.next_functions[0]
+    reads: dict[Slot, tuple] = {}
+
+    def place_of(value):
+        if isinstance(value, Source):
+            held = value.entry.tensor
+            reads[value.entry.slot] = (value.entry.slot, held.dtype, tuple(held.size()), tuple(held.stride()))
+            return value.entry.slot
+        return ParamRef(value.tensor) if isinstance(value, Param) else value
+
+    shape = dict(path=recipe.path, cast=recipe.cast, dtype=tensor.dtype, size=recipe.size, stride=recipe.stride,
+                 nbytes=tensor.untyped_storage().nbytes())
+    root = recipe.root
+    if isinstance(root, Held):
+        source = place_of(root.source)
+        return PlaceRecipe("param" if isinstance(source, ParamRef) else "held", source=source,
+                           reads=tuple(reads.values()), **shape)
+    args = tuple(place_of(a) for a in root.args)
+    kwargs = tuple((k, place_of(v)) for k, v in root.kwargs.items())
+    inputs = node.next_functions
+    edges = []
+    for value in [*root.args, *root.kwargs.values()]:
+        if not isinstance(value, Source):
+            continue
+        if not value.entry.tensor.requires_grad:
+            return None
+        edge = get_gradient_edge(value.entry.tensor)
+        index = next((i for i, (fn, fn_nr) in enumerate(inputs) if fn is edge.node and fn_nr == edge.output_nr), None)
+        if index is None:
+            return None
+        edges.append((value.entry.slot, index))
+    return PlaceRecipe("call", func=root.func, args=args, kwargs=kwargs, autocast=root.autocast,
+                       node=type(node).__name__, edges=tuple(edges), reads=tuple(reads.values()), **shape)
+
+
 class RebuiltSaves:
     """Replay: around one call of a unit the plan rebuilds, the saved-tensor hooks that hold what
-    must stay and stand a recipe in for what backward can make again."""
+    must stay and stand a recipe in for what backward can make again.
 
-    def __init__(self, device: torch.device, min_bytes: int, signatures: Signatures, unit: str = ""):
-        self._call = _UnitCall(device, min_bytes, unit)
-        self._signatures = signatures
+    Replay watches no call of the unit: at a place where calibration rebuilt equal, the tensor's
+    dtype, size and strides, its autograd path down to its root (the nodes' types, and the root's
+    inputs being the tensors held at calibration's places) must be calibration's, or it is kept.
+    Only the saves and inputs some recipe reads are held."""
+
+    def __init__(self, device: torch.device, min_bytes: int, recipes: UnitRecipes | None, unit: str = ""):
+        self._eligible = _Eligible(device, min_bytes)
+        self._device_type = device.type
+        self._recipes = recipes or UnitRecipes()
+        self._sources = self._recipes.sources
+        self._unit = unit
+        self._held: dict[Slot, _Kept] = {}
         self._bases: dict[tuple, _Base] = {}
+        self._saves = 0
         self.rebuilt_bytes = 0
 
     @contextlib.contextmanager
     def around(self, args, kwargs) -> Iterator[None]:
-        self._call.hold_inputs((args, kwargs))
+        recipes = self._recipes
+        autocast = (torch.is_autocast_enabled(self._device_type), torch.get_autocast_dtype(self._device_type))
+        if not recipes.places or autocast != recipes.autocast:
+            yield  # nothing calibration found applies to this call
+            return
+        inputs = [t for t in _inputs((args, kwargs)) if self._eligible(t)]
+        for k, t in enumerate(inputs):
+            if Slot("input", k) in self._sources:
+                self._held[Slot("input", k)] = _Kept(t, t._version, self._unit)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), self._call.roots.mode():
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield
         finally:
-            self._call.close()
+            self._held = {}  # the rebuilt tensors' recipes keep what they read
 
     def _pack(self, tensor: torch.Tensor):
-        call = self._call
-        if not call.eligible(tensor):
+        if not self._eligible(tensor):
             return tensor
-        expected = self._signatures.get(call.place())
-        recipe = call.recipe_for(tensor) if expected is not None else None
-        if recipe is None or recipe.signature() != expected:
-            call.hold(tensor)
+        place = self._saves
+        self._saves += 1
+        recipe = self._recipes.places.get(place)
+        bound = recipe.bind(tensor, self._held) if recipe is not None else None
+        if bound is None:
+            slot = Slot("save", place)
+            if slot in self._sources:
+                self._held[slot] = _Kept(tensor, tensor._version, self._unit)
             return tensor
-        base = self._bases.setdefault(recipe.base_key, _Base())
+        rebuild, key = bound
+        base = self._bases.setdefault(key, _Base())
         base.uses += 1
         self.rebuilt_bytes += tensor.numel() * tensor.element_size()
-        return _Rebuilt(recipe, base, tensor.device.type)
+        return _Rebuilt(rebuild, base, self._device_type)
 
 
 def _unpack(packed):
@@ -186,7 +405,7 @@ class _Tried:
     recomputation's own (a recomputation that stops early leaves this in a reference cycle with
     its frame until Python's cycle collector runs: a whole step's activations on the GPU)."""
     place: int
-    signature: tuple
+    recipe: PlaceRecipe
     base_key: object
     nbytes: int
     storage: int
@@ -196,23 +415,24 @@ class _Tried:
 
 class RebuildProbe:
     """Calibration: inside one recomputation of a unit, which of its saved tensors rebuild byte
-    for byte, what they weigh, what their rebuilds take on both clocks, and what finding them
-    takes the host (replay does that again in each forward).
+    for byte, what they weigh, what their rebuilds take on both clocks, and what replay's checks
+    of them take the host (replay does that again in each forward).
 
     It wraps the saved-tensor hooks in force (the recomputation's own, torch.utils.checkpoint's):
     each tensor goes on to them unchanged. Where PyTorch does not say which hooks are in force, it
-    finds nothing and the plan rebuilds nothing. The comparisons are read once the recomputation
-    is over: read one by one, each would wait for the GPU, which would then sit idle inside the
-    next rebuild's timing while the host issued it."""
+    finds nothing and the plan rebuilds nothing. Each recipe found is put in terms of places and
+    rebuilt the way replay will rebuild it. The comparisons are read once the recomputation is
+    over: read one by one, each would wait for the GPU, which would then sit idle inside the next
+    rebuild's timing while the host issued it."""
 
     def __init__(self, device: torch.device, min_bytes: int, timer):
-        self._device, self._min_bytes = device, min_bytes
+        self._eligible = _Eligible(device, min_bytes)
         self._timer = timer               # () -> a clock; (start, end) of GPU work in seconds later
-        self.signatures: Signatures = {}
+        self.recipes: UnitRecipes | None = None   # None until a call of the unit has been probed
         self.rebuilt_bytes = 0
         self.timings: list[tuple[object, object, float]] = []  # (start, end, host seconds) per base built
-        self.forward_cpu_s = 0.0          # the host's time of what replay does as the unit saves: look for
-        #                                   a recipe, or hold the tensor for others to rebuild from
+        self.forward_cpu_s = 0.0          # the host's time of what replay does as the unit saves: check
+        #                                   a place's recipe against the tensor, or hold one recipes read
 
     @contextlib.contextmanager
     def around(self, values) -> Iterator[None]:
@@ -221,12 +441,15 @@ class RebuildProbe:
             yield
             return
         outer_pack, outer_unpack = hooks
-        call = _UnitCall(self._device, self._min_bytes)
-        call.hold_inputs(values)
+        device_type = self._eligible.device.type
+        autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        call = _UnitCall(self._eligible)
+        call.hold_inputs(list(_tensors(values)))
         tried: list[_Tried] = []
+        hold_s: dict[int, float] = {}
 
         def pack(tensor):
-            self._look(call, tensor, tried)
+            self._look(call, tensor, tried, hold_s)
             return outer_pack(tensor)
 
         try:
@@ -234,51 +457,61 @@ class RebuildProbe:
                 yield
         finally:
             call.close()
-        self._settle(tried)
+        self._settle(tried, autocast, hold_s)
 
-    def _look(self, call: _UnitCall, tensor: torch.Tensor, tried: list) -> None:
+    def _look(self, call: _UnitCall, tensor: torch.Tensor, tried: list, hold_s: dict) -> None:
         begun = time.perf_counter()
-        if not call.eligible(tensor):
+        if not self._eligible(tensor):
             return
         place = call.place()
-        recipe = call.recipe_for(tensor)
-        if recipe is None:
-            call.hold(tensor)
-            self._note(place, None)
         self.forward_cpu_s += time.perf_counter() - begun
-        if recipe is None:
+        recipe = call.recipe_for(tensor)
+        planned = place_recipe(recipe, tensor) if recipe is not None else None
+        begun = time.perf_counter()
+        bound = planned.bind(tensor, call.by_slot) if planned is not None else None
+        checked = time.perf_counter()
+        if bound is None:
+            call.hold(tensor, Slot("save", place))
+            hold_s[place] = time.perf_counter() - checked  # replay holds it only if a recipe reads it
             return
+        self.forward_cpu_s += checked - begun
         # Not held, as in replay, where it is rebuilt; should it turn out unequal, the recipes
         # that could have read it are missed, which costs bytes, not correctness.
+        rebuild, base_key = bound
         _keep_busy(tensor.device)
         start, host = self._timer(), time.perf_counter()
         with torch.no_grad():
-            base = recipe.build_base(_unchanged, tensor.device.type)
+            base = rebuild.build_base(_unchanged, tensor.device.type)
         timing = (start, self._timer(), time.perf_counter() - host)
-        tried.append(_Tried(place, recipe.signature(), recipe.base_key, tensor.numel() * tensor.element_size(),
-                            tensor.untyped_storage().data_ptr(), timing, _differs(recipe.shape(base), tensor)))
+        tried.append(_Tried(place, planned, base_key, tensor.numel() * tensor.element_size(),
+                            tensor.untyped_storage().data_ptr(), timing, _differs(rebuild.shape(base), tensor)))
 
-    def _settle(self, tried: list) -> None:
+    def _settle(self, tried: list, autocast: tuple, hold_s: dict) -> None:
         """The places whose rebuild came out equal; their bytes (a storage once) and the time of
         their bases (a base once: in backward a shared one is built once)."""
-        storages, bases = set(), set()
+        storages, bases, found = set(), set(), {}
         for t in tried:
-            equal = not bool(t.differs)
-            self._note(t.place, t.signature if equal else None)
-            if not equal:
+            if bool(t.differs):
                 continue
+            found[t.place] = t.recipe
             if t.storage not in storages:
                 storages.add(t.storage)
                 self.rebuilt_bytes += t.nbytes
             if t.base_key not in bases:
                 bases.add(t.base_key)
                 self.timings.append(t.timing)
+        self._agree(UnitRecipes(found, autocast))
+        sources = self.recipes.sources
+        self.forward_cpu_s += sum(s for place, s in hold_s.items() if Slot("save", place) in sources)
 
-    def _note(self, place: int, signature) -> None:
+    def _agree(self, found: UnitRecipes) -> None:
         """Calls of one unit that disagree at a place: nothing is rebuilt there."""
-        if self.signatures.get(place, signature) != signature:
-            signature = None
-        self.signatures[place] = signature
+        if self.recipes is None:
+            self.recipes = found
+        elif found.autocast != self.recipes.autocast:
+            self.recipes = UnitRecipes({}, self.recipes.autocast)
+        else:
+            self.recipes.places = {p: r for p, r in self.recipes.places.items() if found.places.get(p) == r}
 
 
 # GPU cycles of work queued ahead of a timed rebuild: about 1 ms at an H100's or H200's clock,

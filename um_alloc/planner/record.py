@@ -194,10 +194,11 @@ class StepRecorder:
                 "rebuild_cpu_s": sum(cpu for _, _, cpu in probe.timings),
                 "rebuild_forward_cpu_s": probe.forward_cpu_s}
 
-    def signatures(self) -> dict[int, dict]:
-        """Per unit: the places among its saves where a recipe rebuilt equal (RebuiltSaves reads them)."""
-        return {j: {place: sig for place, sig in s.rebuilt.signatures.items() if sig is not None}
-                for j, s in enumerate(self.units) if s.rebuilt is not None}
+    def recipes(self) -> dict:
+        """Per unit: its UnitRecipes, the places among its saves where a recipe rebuilt equal
+        (RebuiltSaves reads them)."""
+        return {j: s.rebuilt.recipes for j, s in enumerate(self.units)
+                if s.rebuilt is not None and s.rebuilt.recipes is not None}
 
     def _time_backwards(self) -> None:
         """Each unit's own backward, on both clocks: from the gradient reaching it to the gradient

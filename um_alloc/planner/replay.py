@@ -68,7 +68,7 @@ class StepSpec:
     recorder: StepRecorder | None = None
     count_ops: bool = False        # time and size the ops a selective recompute keeps, and find
     #                                what a kept unit could rebuild (rebuilt.RebuildProbe)
-    rebuilds: dict = field(default_factory=dict)  # unit -> the places its rebuild decision rebuilds
+    rebuilds: dict = field(default_factory=dict)  # unit -> what its rebuild decision rebuilds (UnitRecipes)
     full_recompute: bool = False   # no early stop: a recompute rebuilds all a unit saves
     owner: Any = None              # the director's own record of the step's input shape
 
@@ -266,7 +266,7 @@ class Runtime:
             if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
             elif decision is Decision.REBUILD:
-                saves = RebuiltSaves(self.device, self.min_bytes, step.spec.rebuilds.get(index, {}),
+                saves = RebuiltSaves(self.device, self.min_bytes, step.spec.rebuilds.get(index),
                                      self.units[index].name)
                 with saves.around(args, kwargs):
                     out = forward(*args, **kwargs)
