@@ -33,6 +33,7 @@ where the block's linears saved casts of it and plain autograd is content).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -136,7 +137,7 @@ class PlaceRecipe:
                 return None
         args = tuple(_bound(a, entries) for a in self.args)
         kwargs = {k: _bound(v, entries) for k, v in self.kwargs}
-        return Call(self.func, args, kwargs, self.autocast, tensor_numel(self.size))
+        return Call(self.func, args, kwargs, self.autocast, math.prod(self.size))
 
 
 @dataclass
@@ -149,13 +150,6 @@ class UnitRecipes:
     @property
     def sources(self) -> frozenset:
         return frozenset(slot for recipe in self.places.values() for slot, *_ in recipe.reads)
-
-
-def tensor_numel(size: tuple) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n
 
 
 def _bound(value, entries: dict):
