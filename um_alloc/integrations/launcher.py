@@ -15,6 +15,7 @@ printed without the launcher's frames.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import re
@@ -115,6 +116,11 @@ def launch(target: Target, *, policy: str | None = None, budget: str | None = No
         _stop_counters(*counters, json_path, rank)
     if uncaught is not None:  # last, as Python prints it: the error is what a reader looks for
         sys.excepthook(type(uncaught), uncaught, uncaught.__traceback__)
+    # The script's objects (its model, the process group DDP holds, the globals runpy leaves in a
+    # cycle) are freed now, while Python is whole: freed in its finalization, a tensor that a
+    # gloo or NCCL thread still holds aborts the process after the work is done.
+    del auto, uncaught
+    gc.collect()
     return status
 
 
