@@ -32,6 +32,7 @@ from um_alloc.sizes import format_size, parse_size
 
 WORKLOAD = "resnet50-224-bf16-sgd"
 MARKER = "RESULT "
+RETRIES = 3  # as bert_example/train.py: a step that runs out of memory runs again this many times
 
 
 def train(method: str, batch: int, budget: int, steps: int, warmup: int) -> dict:
@@ -56,12 +57,13 @@ def train(method: str, batch: int, budget: int, steps: int, warmup: int) -> dict
         planner = um_alloc.planner.plan(model, budget)
     images = torch.randn(batch, 3, 224, 224, device=device)
     labels = torch.randint(0, 1000, (batch,), device=device)
-    seconds, losses = [], []
+    seconds, losses, arenas = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         loss = _step(model, optimizer, images, labels, retry=planner is not None)
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
+        arenas.append(_arena_calls(method))
     free, total = torch.cuda.mem_get_info(device)
     step_s = statistics.median(seconds[warmup:])
     record = {"device": torch.cuda.get_device_name(device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -72,28 +74,48 @@ def train(method: str, batch: int, budget: int, steps: int, warmup: int) -> dict
         plan = planner.to_dict()
         record.update(plan=plan.get("plan"), predicted_step_s=(plan.get("plan") or {}).get("predicted_step_s"),
                       planner_measured_step_s=plan.get("measured_step_s"))
+        timed = steps - warmup  # cudaMallocManaged and cudaFree (which syncs the device) in a timed step
+        record.update({f"{name}_per_step": (arenas[-1][i] - arenas[warmup - 1][i]) / timed
+                       for i, name in enumerate(("arena_reserves", "arena_releases"))})
     return record
+
+
+def _arena_calls(method: str) -> tuple[int, int]:
+    if method != "planner":
+        return 0, 0
+    import um_alloc
+
+    stats = um_alloc.memory_stats()
+    return stats["arena_reserves"], stats["arena_releases"]
 
 
 def _step(model, optimizer, images, labels, retry: bool) -> float:
     """One training step; under the planner, a step that runs out of memory runs again (the
     planner keeps less from then on), as train.py does."""
     import torch
-    import torch.nn.functional as F
 
-    for attempt in range(3):
+    for attempt in range(RETRIES + 1):
         try:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(images), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.item()
+            return _train_step(model, optimizer, images, labels)
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
-            if not retry or attempt == 2:
+            if not retry or attempt == RETRIES:
                 raise
+        # Here the failed attempt's frame, and with it its loss and every activation its autograd
+        # graph still saves, is gone: the next attempt does not start with them in memory.
     raise AssertionError("unreachable")
+
+
+def _train_step(model, optimizer, images, labels) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    with torch.autocast(images.device.type, dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(images), labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 def probe(method: str, batch: int, args) -> dict | None:
