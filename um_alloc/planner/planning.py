@@ -131,9 +131,9 @@ class UnitCost:
         Trainer's check of the loss for nan, a progress bar): the host cannot run ahead. The
         rebuilds' host time hides: a kept unit's backward runs no Python but theirs, and leaves the
         host ahead of the GPU, unlike the safe step's recomputed backward that backward_cpu_s
-        measures. On an H100 (bench/decision_costs.py), BERT-Large with every block rebuilt took
-        0.95 ms a block more than kept in a loop that waits (predicted 1.03: 0.67 ms of finding,
-        0.36 of rebuilds), and 0.28 ms in one that never waits."""
+        measures. On an H100 (bench/decision_costs.py --sync), BERT-Large with every block rebuilt
+        took 0.55 ms a block more than kept (predicted 0.71; the forward's checks took the host
+        0.36 ms a block, the rebuilds' kernels 0.35)."""
         return self.rebuild_forward_cpu_s + self.rebuild_s
 
     def rerun_s(self, gpu_s: float) -> float:
