@@ -86,7 +86,7 @@ def run_train(run: Run, timeout: float) -> tuple[dict | None, str, str]:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(run.env))
         except subprocess.TimeoutExpired:
             return _outcome(run, None, "timeout", f"ran past {timeout} s")
-        tail = " ".join(done.stderr.strip().splitlines()[-3:])[-300:]
+        tail = _why(done.stderr)
         # Under torchrun a rank's exit status is not the launcher's: train.py's message tells.
         if done.returncode == EXIT_OOM or (done.returncode != 0 and "train.py: out of GPU memory" in done.stderr):
             return _outcome(run, None, "oom", tail)
@@ -94,6 +94,15 @@ def run_train(run: Run, timeout: float) -> tuple[dict | None, str, str]:
             print(done.stderr[-3000:], file=sys.stderr)
             return _outcome(run, None, f"failed (exit {done.returncode})", tail)
         return json.loads(summary_path.read_text()), "ok", ""
+
+
+def _why(stderr: str) -> str:
+    """What a run's stderr says about its end: its last lines, and the out-of-memory message if one
+    came before them (the launcher prints its summary after the script's error)."""
+    lines = stderr.strip().splitlines()
+    tail = " ".join(lines[-3:])[-300:]
+    oom = next((line for line in reversed(lines[:-3]) if "out of memory" in line.lower()), None)
+    return tail if oom is None else f"{oom[:400]} ... {tail}"
 
 
 def _outcome(run: Run, summary: dict | None, status: str, note: str) -> tuple[dict | None, str, str]:

@@ -52,6 +52,8 @@ def test_a_run_gets_its_arguments_the_json_path_and_this_checkout_first_on_the_p
     ("sys.stderr.write('train.py: out of GPU memory: CUDA out of memory\\n'); sys.exit(1)", "oom"),
     ("sys.stderr.write('Traceback: boom\\n'); sys.exit(1)", "failed (exit 1)"),
     ("sys.exit(0)", "failed (exit 0)"),  # exit 0 but no summary written
+    # the launcher prints its summary after the script's error: the note still names the error
+    ("sys.stderr.write('x: CUDA out of memory\\n' + 'summary\\n' * 5); sys.exit(3)", "oom"),
     ("time.sleep(30)", "timeout"),
 ])
 def test_a_run_that_ends_without_a_summary_says_how(tmp_path, body, status, capsys):

@@ -1,0 +1,218 @@
+"""The block planner on models no other benchmark names, against checkpointing, at budgets between
+everything in memory and everything checkpointed: each model in one invocation.
+
+    python bench/bench_zoo.py --models llama,t5,vit            # budgets at 0.6x stock's peak
+    python bench/bench_zoo.py --models vit --fractions 0.4,0.7
+
+For each model (bench/zoo_train.py: a plain loop with no um_alloc line, each run a process of its own):
+  stock          PyTorch's allocator, everything in memory: the reference of every ratio; its peak
+                 of allocated bytes times each of --fractions is a budget (rounded to 256 MiB)
+  checkpointing  PyTorch's allocator capped at the budget, every layer checkpointed
+  frontier       the same, the first k layers checkpointed, k the smallest that fits (searched
+                 from a guess: memory falls about linearly with k), the strongest peer
+  planner        python -m um_alloc run --budget B bench/zoo_train.py: the script unchanged
+
+With --ablations, what the planner's step is made of, each also under the launcher:
+  um_in_memory       no budget: um_alloc's allocator, everything in memory (once per model)
+  um_checkpointing   no budget, every layer checkpointed by Hugging Face: the peer on um_alloc
+  planner_recompute  the budget, the planner told to recompute every block (strategy: checkpoint)
+
+Records (the protocol's fields, with the model, the peers' k, the planner's plan and predicted step
+time, and each method's ratio to the fastest peer that fits) share one run_id and go to
+bench/results/RUN_ID/zoo_<model>.json. A method that does not fit is recorded with its status.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import (RESULTS, ROOT, Run, new_run_id, protocol_record, ratio, raw_policy, run_train, smallest_fitting,
+                     with_scheduler, write_policy, write_result)
+
+from um_alloc.sizes import format_size
+
+ZOO_TRAIN = ROOT / "bench" / "zoo_train.py"
+GRAIN = 256 << 20          # budgets are rounded to this
+GiB = 1 << 30
+
+
+def budgets_from(peak: int, fractions: list[float]) -> list[int]:
+    """Each fraction of stock's peak, rounded to the nearest GRAIN (at least one GRAIN)."""
+    return [max(GRAIN, round(peak * f / GRAIN) * GRAIN) for f in fractions]
+
+
+def frontier_guess(stock_peak: int | None, all_peak: int | None, layers: int, budget: int) -> int:
+    """The k whose first-k checkpointing should just fit, if memory falls linearly from stock's
+    peak (k = 0) to every layer checkpointed (k = layers), with 8% of the budget kept spare for
+    what the allocator holds beyond its live bytes."""
+    if not stock_peak or not all_peak or stock_peak <= all_peak:
+        return layers
+    per_layer = (stock_peak - all_peak) / layers
+    return min(layers, max(0, math.ceil((stock_peak - 0.92 * budget) / per_layer)))
+
+
+def zoo_run(name: str, model: str, args, *extra: str, launch: tuple[str, ...] = ()) -> Run:
+    train_args = ["--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup), *extra]
+    if args.batch:
+        train_args += ["--batch", str(args.batch)]
+    return Run(name, f"bench/zoo_train.py {' '.join(train_args)}", train_args, script=ZOO_TRAIN, launch=launch)
+
+
+def peer_run(model: str, args, budget: int, layers: str) -> tuple[dict | None, str, str]:
+    name = "checkpointing" if layers == "all" else f"frontier_k{layers}"
+    return run_train(zoo_run(name, model, args, "--checkpoint-layers", layers, "--memory-limit", f"{budget}B"),
+                     args.timeout)
+
+
+def launched_run(name: str, model: str, args, *extra: str, budget: int | None = None,
+                 policy: Path | None = None) -> tuple[dict | None, str, str, dict]:
+    """The script under the launcher; its result, status, note, and the launcher's report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        launch = ("-m", "um_alloc", "run", *(["--budget", str(budget)] if budget else []),
+                  *(["--policy", str(policy)] if policy else []), "--json", str(report))
+        summary, status, note = run_train(zoo_run(name, model, args, *extra, launch=launch), args.timeout)
+        extra_report = json.loads(report.read_text()) if report.exists() else {}
+    return summary, status, note, extra_report
+
+
+def planner_record(launched: tuple, method: str, **common) -> dict:
+    summary, status, note, report = launched
+    plan = (report.get("planner") or {}).get("plan")
+    return record(summary, status, note, method=method, plan=plan, plan_table=report.get("plan_table"),
+                  predicted_step_s=(plan or {}).get("predicted_step_s"),
+                  # the planner's own clock: forward to forward, as it predicts
+                  planner_measured_step_s=(report.get("planner") or {}).get("measured_step_s"), **common)
+
+
+def record(summary: dict | None, status: str, note: str, *, method: str, model: str, run_id: str,
+           stock_rate: float | None, budget: int | None, **fields) -> dict:
+    out = protocol_record(None if summary is None else {**summary, "method": method}, run_id=run_id,
+                          stock_samples_per_s=stock_rate, budget_bytes=budget, method=method)
+    out.update(model=model, status=status, note=note, budget_bytes=budget,
+               checkpointed_layers=(summary or {}).get("checkpointed_layers"),
+               peak_bytes=(summary or {}).get("peak_bytes"), **fields)
+    return out
+
+
+def frontier_at(model: str, args, budget: int, stock: dict, every: tuple) -> tuple[tuple, list[int]]:
+    """The fastest first-k checkpointing that fits the budget, as run_train's (summary, status,
+    note), and every k tried; `every` is the run with every layer checkpointed."""
+    if every[0] is None:  # fewer layers checkpointed hold more: none fits
+        return (None, every[1], "every layer checkpointed does not fit"), []
+    layers = every[0]["checkpointed_layers"]
+    runs = {layers: every}
+
+    def fits(k: int) -> dict | None:
+        if k not in runs:
+            runs[k] = peer_run(model, args, budget, str(k))
+        return runs[k][0]
+
+    guess = frontier_guess(stock.get("peak_bytes"), every[0].get("peak_bytes"), layers, budget)
+    k, _, tried = smallest_fitting(fits, guess, layers, known={layers: every[0]})
+    return runs[k], tried
+
+
+def compare_at(model: str, args, budget: int, stock: dict, run_id: str) -> list[dict]:
+    """Every peer and the planner at one budget, as records."""
+    stock_rate = stock["samples_per_s"]
+    every = peer_run(model, args, budget, "all")
+    frontier, tried = frontier_at(model, args, budget, stock, every)
+    common = dict(model=model, run_id=run_id, stock_rate=stock_rate, budget=budget)
+    records = [record(*every, method="checkpointing", **common),
+               record(*frontier, method="frontier", frontier_tried=tried, **common),
+               planner_record(launched_run("planner", model, args, budget=budget), "planner", **common)]
+    if args.ablations:
+        recompute_all = write_policy(args.out_dir / "policies", "planner_recompute",
+                                     with_scheduler(raw_policy("planner"), strategy="checkpoint"),
+                                     "planner.yaml, every block recomputed")
+        records.append(planner_record(launched_run("planner_recompute", model, args, budget=budget,
+                                                   policy=recompute_all), "planner_recompute", **common))
+    peers = [r["samples_per_s"] for r in records[:2] if r["samples_per_s"]]
+    for r in records:
+        r["ratio_vs_fastest_peer"] = ratio(r["samples_per_s"], max(peers) if peers else None)
+    planned = records[2]  # the planner's
+    if planned["highwater_bytes"] is not None:
+        planned["highwater_within_budget_plus_1GiB"] = planned["highwater_bytes"] <= budget + GiB
+    return records
+
+
+def compare_model(model: str, args, run_id: str) -> list[dict]:
+    stock = run_train(zoo_run("stock", model, args), args.timeout)
+    stock_record = record(*stock, method="stock", model=model, run_id=run_id,
+                          stock_rate=(stock[0] or {}).get("samples_per_s"), budget=None)
+    if stock[0] is None:
+        return [stock_record]
+    records = [stock_record]
+    if args.ablations:
+        common = dict(model=model, run_id=run_id, stock_rate=stock[0]["samples_per_s"], budget=None)
+        records += [planner_record(launched_run("um_in_memory", model, args), "um_in_memory", **common),
+                    planner_record(launched_run("um_checkpointing", model, args, "--checkpoint-layers", "all"),
+                                   "um_checkpointing", **common)]
+    for budget in budgets_from(stock[0]["peak_bytes"], args.fractions):
+        print(f"[{model}] budget {format_size(budget)}", flush=True)
+        records += compare_at(model, args, budget, stock[0], run_id)
+    return records
+
+
+def print_table(model: str, records: list[dict]) -> None:
+    print(f"\n{model}: run {records[0]['run_id']}")
+    print(f"{'method':<15}{'budget':>10}{'k':>4}{'samples/s':>11}{'vs stock':>10}{'vs peer':>9}{'NVML':>11}  status")
+    for r in records:
+        rate = "" if r["samples_per_s"] is None else f"{r['samples_per_s']:.1f}"
+        vs = "" if r["ratio_vs_stock"] is None else f"{r['ratio_vs_stock']:.3f}"
+        vp = "" if r.get("ratio_vs_fastest_peer") is None else f"{r['ratio_vs_fastest_peer']:.3f}"
+        budget = "" if r["budget_bytes"] is None else format_size(r["budget_bytes"])
+        nvml = "" if r["highwater_bytes"] is None else format_size(r["highwater_bytes"])
+        k = "" if r["checkpointed_layers"] is None else str(r["checkpointed_layers"])
+        print(f"{r['method']:<15}{budget:>10}{k:>4}{rate:>11}{vs:>10}{vp:>9}{nvml:>11}  {r['status']}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama,t5,vit", help="comma-separated, of bench/zoo_train.py's MODELS")
+    p.add_argument("--fractions", default="0.6", help="budgets as fractions of stock's peak, comma-separated")
+    p.add_argument("--batch", type=int, help="every model's batch (default: each model's own)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (the planner "
+                   "calibrates in the first two)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
+    p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
+                   "costs (see above)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ZOO_TRAIN.parent))
+    from zoo_train import MODELS
+
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown or not args.models:
+        p.error(f"--models: unknown {', '.join(unknown) or 'none given'}; allowed: {', '.join(sorted(MODELS))}")
+    try:
+        args.fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        p.error(f"--fractions must be numbers between 0 and 1, comma-separated; got {args.fractions!r}")
+    if not all(0 < f < 1 for f in args.fractions):
+        p.error(f"--fractions must lie between 0 and 1 (budgets below stock's peak); got {args.fractions}")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run_id = new_run_id("zoo")
+    out = args.out_dir = args.out or RESULTS / run_id  # policies of the ablations go there too
+    for model in args.models:
+        records = compare_model(model, args, run_id)
+        print_table(model, records)
+        print(f"wrote {write_result(f'zoo_{model}', records, out)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""bench/zoo_train.py and bench/bench_zoo.py on the CPU: the user's script trains each model (two
+layers each) with and without Hugging Face's checkpointing of the first k layers, to the same
+losses; the benchmark's budgets, its frontier search and its records, with the GPU runs replaced
+by a stand-in whose memory falls linearly with k."""
+import sys
+from pathlib import Path
+
+import pytest
+
+from um_alloc.sizes import parse_size  # as zoo_train.py reads --memory-limit
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_zoo  # noqa: E402
+import zoo_train  # noqa: E402
+
+pytest.importorskip("transformers")
+
+GiB = 1 << 30
+LAYERS = {"llama": 2, "t5": 4, "vit": 2}  # t5: two encoder and two decoder blocks
+
+
+@pytest.mark.parametrize("model", sorted(zoo_train.MODELS))
+def test_each_model_trains_and_checkpointing_its_first_layers_gives_the_same_losses(model):
+    plain = zoo_train.main(["--model", model, "--tiny", "--cpu", "--steps", "3", "--warmup", "1"])
+    first = zoo_train.main(["--model", model, "--tiny", "--cpu", "--steps", "3", "--warmup", "1",
+                            "--checkpoint-layers", "1"])
+    every = zoo_train.main(["--model", model, "--tiny", "--cpu", "--steps", "3", "--warmup", "1",
+                            "--checkpoint-layers", "all"])
+    assert (plain["checkpointed_layers"], first["checkpointed_layers"], every["checkpointed_layers"]) == \
+        (0, 1, LAYERS[model])
+    assert plain["losses"] == first["losses"] == every["losses"]  # recomputation changes no bit on the CPU
+    assert plain["losses"][0] > 0 and plain["samples_per_s"] > 0 and plain["device"] == "cpu"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "bert"], "invalid choice"),
+    (["--model", "llama", "--checkpoint-layers", "half"], "a number of layers or 'all'"),
+    (["--model", "llama", "--warmup", "12"], "below --steps"),
+    (["--model", "llama", "--batch", "0"], "at least 1"),
+])
+def test_the_script_refuses_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        zoo_train.parse_args(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "llama,bert"], "unknown bert"),
+    (["--fractions", "0.5,1.2"], "between 0 and 1"),
+    (["--fractions", "half"], "numbers between 0 and 1"),
+])
+def test_the_benchmark_refuses_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_zoo.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_budgets_are_fractions_of_stocks_peak_rounded_to_256_mib():
+    assert bench_zoo.budgets_from(20 * GiB, [0.5, 0.6]) == [10 * GiB, 12 * GiB]
+    assert bench_zoo.budgets_from(10 * GiB + (100 << 20), [0.5]) == [5 * GiB]
+    assert bench_zoo.budgets_from(100 << 20, [0.1]) == [256 << 20]
+
+
+def test_the_frontier_guess_interpolates_between_the_two_ends():
+    # 24 layers from 20 GiB (none) to 8 GiB (all): 0.5 GiB a layer; 12 GiB minus 8% spare must shed
+    # 20 - 11.04 GiB, 18 layers' worth.
+    assert bench_zoo.frontier_guess(20 * GiB, 8 * GiB, 24, 12 * GiB) == 18
+    assert bench_zoo.frontier_guess(20 * GiB, 8 * GiB, 24, 30 * GiB) == 0
+    assert bench_zoo.frontier_guess(None, 8 * GiB, 24, 12 * GiB) == 24
+
+
+class StandIn:
+    """run_train for zoo_train.py runs: k checkpointed layers of 24 hold 20 GiB - k x 0.5 GiB and
+    run at 100 - k samples/s; a run fits if that is within its --memory-limit. The planner runs at
+    `planner_rate` and reports a plan."""
+
+    def __init__(self, planner_rate=95.0):
+        self.planner_rate = planner_rate
+        self.runs = []
+
+    def __call__(self, run, timeout):
+        args = run.train_args
+        self.runs.append(run.name)
+        if run.launch:
+            report = Path(run.launch[run.launch.index("--json") + 1])
+            report.write_text('{"planner": {"plan": {"predicted_step_s": 0.08}}, "plan_table": "a table"}')
+            return self._summary(0, self.planner_rate, 9 * GiB), "ok", ""
+        if "--checkpoint-layers" not in args:
+            return self._summary(0, 100.0, 20 * GiB), "ok", ""
+        k = args[args.index("--checkpoint-layers") + 1]
+        k = 24 if k == "all" else int(k)
+        peak, limit = 20 * GiB - k * GiB // 2, parse_size(args[args.index("--memory-limit") + 1], key="--memory-limit", source="command line")
+        return (self._summary(k, 100.0 - k, peak), "ok", "") if peak <= limit else (None, "oom", "out of memory")
+
+    @staticmethod
+    def _summary(k, rate, peak):
+        return {"device": "stand-in", "date": "today", "workload": "llama-bf16-adamw", "batch": 8,
+                "step_s_median": 8 / rate, "samples_per_s": rate, "loss_first": 10.0, "loss_last": 9.0,
+                "checkpointed_layers": k, "peak_bytes": peak, "device_used_delta_bytes": peak + GiB // 2}
+
+
+def test_one_model_is_compared_at_each_budget_with_the_fastest_checkpointing_that_fits(monkeypatch):
+    stand_in = StandIn()
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6"])
+    records = bench_zoo.compare_model("llama", args, "zoo-test")
+    by_method = {r["method"]: r for r in records}
+    assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "planner"]
+    assert {r["run_id"] for r in records} == {"zoo-test"}
+    budget = 12 * GiB  # 0.6 of 20 GiB
+    assert all(r["budget_bytes"] == budget for r in records[1:]) and by_method["stock"]["budget_bytes"] is None
+    # 20 - k/2 <= 12 first holds at k = 16; the search ran k = 15 and found it does not fit.
+    assert by_method["frontier"]["checkpointed_layers"] == 16 and 15 in by_method["frontier"]["frontier_tried"]
+    assert by_method["frontier"]["samples_per_s"] == 84.0 and by_method["checkpointing"]["samples_per_s"] == 76.0
+    assert by_method["planner"]["ratio_vs_fastest_peer"] == pytest.approx(95 / 84)
+    assert by_method["planner"]["ratio_vs_stock"] == pytest.approx(0.95)
+    assert by_method["planner"]["predicted_step_s"] == 0.08 and by_method["planner"]["plan_table"] == "a table"
+    assert by_method["planner"]["highwater_within_budget_plus_1GiB"] is True
+    assert stand_in.runs.count("stock") == 1
+
+
+def test_a_budget_that_no_checkpointing_fits_is_recorded_not_searched(monkeypatch):
+    stand_in = StandIn()
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.3"])  # 6 GiB: below k = 24's 8 GiB
+    records = bench_zoo.compare_model("llama", args, "zoo-test")
+    frontier = next(r for r in records if r["method"] == "frontier")
+    assert frontier["status"] == "oom" and frontier["samples_per_s"] is None
+    assert not any(name.startswith("frontier_k") for name in stand_in.runs)
+    planner = next(r for r in records if r["method"] == "planner")
+    assert planner["ratio_vs_fastest_peer"] is None and planner["samples_per_s"] == 95.0
+
+
+def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block(monkeypatch, tmp_path):
+    stand_in = StandIn()
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", "--ablations"])
+    args.out_dir = tmp_path
+    records = bench_zoo.compare_model("vit", args, "zoo-test")
+    assert [r["method"] for r in records] == ["stock", "um_in_memory", "um_checkpointing", "checkpointing",
+                                             "frontier", "planner", "planner_recompute"]
+    policy = (tmp_path / "policies" / "planner_recompute.yaml").read_text()
+    assert "strategy: checkpoint" in policy
+    assert [r["budget_bytes"] for r in records if r["method"].startswith("um_")] == [None, None]
+    assert next(r for r in records if r["method"] == "planner_recompute")["budget_bytes"] == 12 * GiB
