@@ -20,12 +20,20 @@ With --ablations, what the planner's step is made of, each also under the launch
 Records (the protocol's fields, with the model, the peers' k, the planner's plan and predicted step
 time, and each method's ratio to the fastest peer that fits) share one run_id and go to
 bench/results/RUN_ID/zoo_<model>.json. A method that does not fit is recorded with its status.
+
+With --repeats N (default 2) the timed methods at each budget (checkpointing, the frontier's k,
+the planner, and the ablations) run N times, alternated, and stock N times at the end of its
+model: the host and the GPU's clocks move a run's median by up to 10% on these machines. A
+record's samples/s is the median of its runs' (each run's own is the median of its steps after
+--warmup), its high-water the highest, its other figures the first run's; every run's samples/s
+is in samples_per_s_runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -80,6 +88,24 @@ def launched_run(name: str, model: str, args, *extra: str, budget: int | None = 
     return summary, status, note, extra_report
 
 
+def pooled(runs: list[tuple]) -> tuple:
+    """Several runs of one method as one (run_train's result, plus the launcher's report where
+    launched): the first run that ended well, with the median samples/s of those that did and
+    the highest high-water; the first run's result as it is where none did."""
+    good = [run for run in runs if run[0] is not None]
+    if not good:
+        return runs[0]
+    rates = [run[0]["samples_per_s"] for run in good]
+    summary = {**good[0][0], "samples_per_s": statistics.median(rates),
+               "step_s_median": good[0][0]["batch"] / statistics.median(rates),
+               "samples_per_s_runs": [None if run[0] is None else run[0]["samples_per_s"] for run in runs]}
+    highwater = [run[0]["device_used_delta_bytes"] for run in good if run[0].get("device_used_delta_bytes") is not None]
+    summary["device_used_delta_bytes"] = max(highwater) if highwater else None
+    failed = [run[1] for run in runs if run[0] is None]
+    note = f"{len(failed)} of {len(runs)} runs did not end well ({failed[0]})" if failed else good[0][2]
+    return (summary, good[0][1], note, *good[0][3:])
+
+
 def planner_record(launched: tuple, method: str, **common) -> dict:
     summary, status, note, report = launched
     plan = (report.get("planner") or {}).get("plan")
@@ -95,11 +121,12 @@ def record(summary: dict | None, status: str, note: str, *, method: str, model: 
                           stock_samples_per_s=stock_rate, budget_bytes=budget, method=method)
     out.update(model=model, status=status, note=note, budget_bytes=budget,
                checkpointed_layers=(summary or {}).get("checkpointed_layers"),
-               peak_bytes=(summary or {}).get("peak_bytes"), **fields)
+               peak_bytes=(summary or {}).get("peak_bytes"),
+               samples_per_s_runs=(summary or {}).get("samples_per_s_runs"), **fields)
     return out
 
 
-def frontier_at(model: str, args, budget: int, stock: dict, every: tuple) -> tuple[tuple, list[int]]:
+def frontier_at(model: str, args, budget: int, stock_peak: int | None, every: tuple) -> tuple[tuple, list[int]]:
     """The fastest first-k checkpointing that fits the budget, as run_train's (summary, status,
     note), and every k tried; `every` is the run with every layer checkpointed."""
     if every[0] is None:  # fewer layers checkpointed hold more: none fits
@@ -112,26 +139,42 @@ def frontier_at(model: str, args, budget: int, stock: dict, every: tuple) -> tup
             runs[k] = peer_run(model, args, budget, str(k))
         return runs[k][0]
 
-    guess = frontier_guess(stock.get("peak_bytes"), every[0].get("peak_bytes"), layers, budget)
+    guess = frontier_guess(stock_peak, every[0].get("peak_bytes"), layers, budget)
     k, _, tried = smallest_fitting(fits, guess, layers, known={layers: every[0]})
     return runs[k], tried
 
 
-def compare_at(model: str, args, budget: int, stock: dict, run_id: str) -> list[dict]:
-    """Every peer and the planner at one budget, as records."""
-    stock_rate = stock["samples_per_s"]
+def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | None) -> list[dict]:
+    """Every peer and the planner at one budget, as records (their ratios to stock come later)."""
     every = peer_run(model, args, budget, "all")
-    frontier, tried = frontier_at(model, args, budget, stock, every)
-    common = dict(model=model, run_id=run_id, stock_rate=stock_rate, budget=budget)
-    records = [record(*every, method="checkpointing", **common),
-               record(*frontier, method="frontier", frontier_tried=tried, **common),
-               planner_record(launched_run("planner", model, args, budget=budget), "planner", **common)]
+    frontier, tried = frontier_at(model, args, budget, stock_peak, every)
+    runs = {"checkpointing": [every], "frontier": [frontier], "planner": []}
+    again = {}  # method -> one more run of it
+    if every[0] is not None:  # where none fits, once is enough
+        again["checkpointing"] = lambda: peer_run(model, args, budget, "all")
+        k = frontier[0]["checkpointed_layers"]
+        if k != every[0]["checkpointed_layers"]:
+            again["frontier"] = lambda: peer_run(model, args, budget, str(k))
+    again["planner"] = lambda: launched_run("planner", model, args, budget=budget)
     if args.ablations:
         recompute_all = write_policy(args.out_dir / "policies", "planner_recompute",
                                      with_scheduler(raw_policy("planner"), strategy="checkpoint"),
                                      "planner.yaml, every block recomputed")
-        records.append(planner_record(launched_run("planner_recompute", model, args, budget=budget,
-                                                   policy=recompute_all), "planner_recompute", **common))
+        runs["planner_recompute"] = []
+        again["planner_recompute"] = lambda: launched_run("planner_recompute", model, args, budget=budget,
+                                                          policy=recompute_all)
+    for repeat in range(args.repeats):
+        for method, run_one in again.items():
+            if repeat or not runs[method]:  # the peers' first runs are the search's
+                runs[method].append(run_one())
+    if "frontier" not in again and every[0] is not None:  # its k is every layer: the same runs
+        runs["frontier"] = runs["checkpointing"]
+    common = dict(model=model, run_id=run_id, stock_rate=None, budget=budget)
+    records = [record(*pooled(runs["checkpointing"]), method="checkpointing", **common),
+               record(*pooled(runs["frontier"]), method="frontier", frontier_tried=tried, **common),
+               planner_record(pooled(runs["planner"]), "planner", **common)]
+    if args.ablations:
+        records.append(planner_record(pooled(runs["planner_recompute"]), "planner_recompute", **common))
     peers = [r["samples_per_s"] for r in records[:2] if r["samples_per_s"]]
     for r in records:
         r["ratio_vs_fastest_peer"] = ratio(r["samples_per_s"], max(peers) if peers else None)
@@ -142,21 +185,25 @@ def compare_at(model: str, args, budget: int, stock: dict, run_id: str) -> list[
 
 
 def compare_model(model: str, args, run_id: str) -> list[dict]:
-    stock = run_train(zoo_run("stock", model, args), args.timeout)
-    stock_record = record(*stock, method="stock", model=model, run_id=run_id,
-                          stock_rate=(stock[0] or {}).get("samples_per_s"), budget=None)
-    if stock[0] is None:
-        return [stock_record]
-    records = [stock_record]
-    if args.ablations:
-        common = dict(model=model, run_id=run_id, stock_rate=stock[0]["samples_per_s"], budget=None)
-        records += [planner_record(launched_run("um_in_memory", model, args), "um_in_memory", **common),
-                    planner_record(launched_run("um_checkpointing", model, args, "--checkpoint-layers", "all"),
-                                   "um_checkpointing", **common)]
-    for budget in budgets_from(stock[0]["peak_bytes"], args.fractions):
-        print(f"[{model}] budget {format_size(budget)}", flush=True)
-        records += compare_at(model, args, budget, stock[0], run_id)
-    return records
+    """Stock, then every budget, then stock's other runs; every ratio to stock against its
+    pooled runs."""
+    stock = [run_train(zoo_run("stock", model, args), args.timeout)]
+    records = []
+    if stock[0][0] is not None:
+        peak = stock[0][0]["peak_bytes"]
+        if args.ablations:
+            common = dict(model=model, run_id=run_id, stock_rate=None, budget=None)
+            records += [planner_record(launched_run("um_in_memory", model, args), "um_in_memory", **common),
+                        planner_record(launched_run("um_checkpointing", model, args, "--checkpoint-layers", "all"),
+                                       "um_checkpointing", **common)]
+        for budget in budgets_from(peak, args.fractions):
+            print(f"[{model}] budget {format_size(budget)}", flush=True)
+            records += compare_at(model, args, budget, run_id, peak)
+        stock += [run_train(zoo_run("stock", model, args), args.timeout) for _ in range(args.repeats - 1)]
+    stock_record = record(*pooled(stock), method="stock", model=model, run_id=run_id, stock_rate=None, budget=None)
+    for r in [stock_record, *records]:
+        r["ratio_vs_stock"] = ratio(r["samples_per_s"], stock_record["samples_per_s"])
+    return [stock_record, *records]
 
 
 def print_table(model: str, records: list[dict]) -> None:
@@ -177,9 +224,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default="llama,t5,vit", help="comma-separated, of bench/zoo_train.py's MODELS")
     p.add_argument("--fractions", default="0.6", help="budgets as fractions of stock's peak, comma-separated")
     p.add_argument("--batch", type=int, help="every model's batch (default: each model's own)")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (the planner "
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=8, help="first steps left out of the median (the planner "
                    "calibrates in the first two)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each timed method, alternated (see above)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")
@@ -200,6 +248,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fractions must lie between 0 and 1 (budgets below stock's peak); got {args.fractions}")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1; got {args.repeats}")
     return args
 
 

@@ -103,7 +103,7 @@ class StandIn:
 def test_one_model_is_compared_at_each_budget_with_the_fastest_checkpointing_that_fits(monkeypatch):
     stand_in = StandIn()
     monkeypatch.setattr(bench_zoo, "run_train", stand_in)
-    args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6"])
+    args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6", "--repeats", "1"])
     records = bench_zoo.compare_model("llama", args, "zoo-test")
     by_method = {r["method"]: r for r in records}
     assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "planner"]
@@ -144,3 +144,47 @@ def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block
     assert "strategy: checkpoint" in policy
     assert [r["budget_bytes"] for r in records if r["method"].startswith("um_")] == [None, None]
     assert next(r for r in records if r["method"] == "planner_recompute")["budget_bytes"] == 12 * GiB
+
+
+class Noisy(StandIn):
+    """The stand-in, each run's samples/s scaled by the next of `factors` (the host's and the
+    clocks' noise); the planner's second run runs out of memory."""
+
+    def __init__(self, factors):
+        super().__init__()
+        self.factors, self.planner_runs = list(factors), 0
+
+    def __call__(self, run, timeout):
+        if run.launch:
+            self.planner_runs += 1
+            if self.planner_runs == 2:
+                self.runs.append(run.name)
+                return None, "oom", "out of memory"
+        summary, status, note = super().__call__(run, timeout)
+        if summary is not None:
+            factor = self.factors.pop(0)
+            summary = {**summary, "samples_per_s": summary["samples_per_s"] * factor,
+                       "device_used_delta_bytes": summary["device_used_delta_bytes"] + int(factor * GiB)}
+        return summary, status, note
+
+
+def test_repeats_alternate_the_methods_and_record_the_median_of_their_runs(monkeypatch):
+    # Stock twice, 12 GiB: every layer, the frontier search (k = 16 fits, 15 does not), the planner,
+    # then every layer, k = 16 and the planner again; of the planner's runs the second does not fit.
+    stand_in = Noisy([1.0, 1.0, 1.0, 1.0, 1.1, 1.0, 0.8, 0.9, 1.1, 1.0, 1.2, 1.3, 1.0])
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6", "--repeats", "3"])
+    records = {r["method"]: r for r in bench_zoo.compare_model("llama", args, "zoo-test")}
+    tail = [name for name in stand_in.runs if name != "frontier_k15"][5:]
+    assert tail == ["planner", "checkpointing", "frontier_k16", "planner", "checkpointing", "frontier_k16", "planner",
+                    "stock", "stock"]
+    assert records["checkpointing"]["samples_per_s_runs"] == pytest.approx([76.0, 76 * 0.8, 76 * 1.1])
+    assert records["checkpointing"]["samples_per_s"] == pytest.approx(76.0)
+    assert records["frontier"]["samples_per_s"] == pytest.approx(84 * 1.0)  # of 84 x 1.1, 0.9 and 1.0
+    planner = records["planner"]
+    assert planner["samples_per_s_runs"] == pytest.approx([95.0, None, 95 * 1.2])
+    assert planner["samples_per_s"] == pytest.approx(95 * 1.1) and "1 of 3 runs did not end well (oom)" in planner["note"]
+    assert planner["highwater_bytes"] == 9 * GiB + GiB // 2 + int(1.2 * GiB)  # the highest of the runs that ended
+    stock = records["stock"]
+    assert stock["samples_per_s"] == pytest.approx(100 * 1.0) and stock["samples_per_s_runs"] == pytest.approx([100, 130, 100])
+    assert records["planner"]["ratio_vs_stock"] == pytest.approx(95 * 1.1 / 100)

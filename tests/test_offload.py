@@ -352,3 +352,23 @@ def test_copy_rates_are_each_directions_bytes_over_its_copying_time():
     out, back = copy_rates(copies)
     assert out == pytest.approx((128 << 20) / 0.003) and back == pytest.approx((100 << 20) / 0.004)
     assert copy_rates([("out", 0.001, 1 << 20)])[1] == float("inf")  # nothing came back
+
+
+def test_the_low_water_of_copies_back_ahead_of_use_is_what_stayed_on_the_device_all_along():
+    """The planner's calibration reads it at each mark: the bytes of copies back that a stretch of
+    backward held all through, which a plan that moves less does not have."""
+    offload = ActivationOffload(None, window=3 * 64, min_bytes=0, device="cpu", rebuild=False)
+    offload.begin_step()
+    entries = [offload.stash(torch.full((16,), float(i))) for i in range(4)]  # 64 bytes each
+    assert offload.ahead_low_water() == 0                  # forward: nothing copied back
+    offload.copy_ahead()                                   # backward: the last three come back
+    assert offload.ahead_low_water() == 0                  # this stretch began with none
+    assert offload.ahead_low_water() == 3 * 64             # the next one holds the three all through
+    assert torch.equal(offload.unpack(entries[3]), torch.full((16,), 3.0))  # used: its bytes are autograd's
+    assert offload.ahead_low_water() == 2 * 64
+    offload.unpack(entries[2])                             # the first comes back, then the third is used
+    assert offload.ahead_low_water() == 2 * 64
+    for i in (1, 0):
+        offload.unpack(entries[i])
+    assert offload.ahead_low_water() == 0
+    offload.end_step()

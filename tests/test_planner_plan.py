@@ -215,3 +215,44 @@ def test_memory_held_beyond_live_is_the_steps_own(tmp_path):
     assert probe.held_beyond_live(peak) == 0
     pool.free(small)
     pool.close()
+
+
+def with_copies_ahead(cal: Calibration, window: int) -> Calibration:
+    """The same step, each backward segment of the safe step also holding `window` bytes of its
+    copies back ahead of use (its transfer window), as calibration measures them."""
+    return replace(cal, segments=tuple(replace(s, peak_bytes=s.peak_bytes + window, ahead_bytes=window)
+                                       if s.label.startswith("backward") else s for s in cal.segments))
+
+
+def test_the_safe_steps_copies_back_are_not_charged_to_a_plan_that_moves_nothing():
+    cal, windowed = transformer(), with_copies_ahead(transformer(), 512 * MiB)
+    recompute = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
+    safe = tuple(SAFE[u.kind] for u in cal.units)
+    assert evaluate(windowed, recompute, 16 * GiB).predicted_peak_bytes == \
+        evaluate(cal, recompute, 16 * GiB).predicted_peak_bytes
+    # The safe step moves at least its window of what each backward segment holds: its own peak.
+    assert evaluate(windowed, safe, 16 * GiB).predicted_peak_bytes == windowed.smallest_peak()
+    for budget in (9, 11, 13):  # budgets where nothing moves: the same plans as without the window
+        assert make_plan(windowed, budget * GiB).decisions == make_plan(cal, budget * GiB).decisions
+
+
+def test_a_plan_that_moves_less_than_the_window_is_charged_for_what_it_moves():
+    units = (UnitCost("a", "block", 1e-3, 1e-3, saved_bytes=400 * MiB, input_bytes=100 * MiB, hide_s=1.0),
+             UnitCost("b", "block", 1e-3, 1e-3, saved_bytes=400 * MiB, input_bytes=100 * MiB, hide_s=1.0))
+    segments = (Segment("loss", 3 * GiB, (0, 1)),
+                Segment("backward b", 3 * GiB + 150 * MiB, (0, 1), ahead_bytes=150 * MiB))
+    cal = Calibration(units, segments, step_s=0.1, link_bytes_per_s=50e9)
+    both_moved = evaluate(cal, (Decision.RECOMPUTE_MOVED, Decision.RECOMPUTE_MOVED), 16 * GiB)
+    one_moved = evaluate(cal, (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED), 16 * GiB)
+    none_moved = evaluate(cal, (Decision.RECOMPUTE, Decision.RECOMPUTE), 16 * GiB)
+    assert both_moved.predicted_peak_bytes == 3 * GiB + 150 * MiB       # 200 MiB moved: no relief
+    assert one_moved.predicted_peak_bytes == 3 * GiB + 150 * MiB + 100 * MiB - 50 * MiB  # 100 moved: 50 off
+    assert none_moved.predicted_peak_bytes == 3 * GiB + 200 * MiB       # the whole window off
+
+
+@pytest.mark.parametrize("budget_gib", [8, 9, 10, 12])
+def test_with_copies_ahead_the_plan_still_keeps_the_peak_it_predicts_within_the_budget(budget_gib):
+    windowed = with_copies_ahead(transformer(rate=50e9), 512 * MiB)
+    plan = make_plan(windowed, budget_gib * GiB)
+    assert plan.predicted_peak_bytes <= plan.limit_bytes
+    assert make_plan(windowed, (budget_gib + 1) * GiB).predicted_step_s <= plan.predicted_step_s + 1e-12

@@ -221,6 +221,12 @@ class ActivationOffload:
             self._start_backward()
         self._copy_ahead()
 
+    def ahead_low_water(self) -> int:
+        """The fewest bytes copied back and not yet used that were on the GPU since the last call
+        (or the step's start): what a measured peak of that stretch held of copies ahead of use."""
+        low, self._ahead_low = self._ahead_low, self._inflight
+        return min(low, self._inflight)
+
     def end_step(self) -> None:
         """Backward is over: what step() does on a normal exit."""
         self._finish_step()
@@ -237,6 +243,7 @@ class ActivationOffload:
         self._seen: dict[tuple, tuple] = {}  # (id, version) -> (weakref to the tensor, its entry)
         self._cursor = -1          # next offloaded tensor (from the end) to copy back
         self._inflight = 0         # bytes copied back and not yet used up
+        self._ahead_low = 0        # the least of _inflight since ahead_low_water() last read it
         self._lent = 0             # bytes of kept tensors backward has used for the last time
         self._in_backward = False
         self._matches = True       # this step's eligible sizes follow the first step's so far
@@ -351,6 +358,7 @@ class ActivationOffload:
         if packed.uses <= 0:  # autograd holds it from here; the next step reuses the memory
             packed.gpu = None
             self._inflight -= packed.nbytes
+            self._ahead_low = min(self._ahead_low, self._inflight)
         return tensor
 
     def _start_backward(self) -> None:

@@ -147,7 +147,8 @@ class BlockPlanner:
             log.info("planner: measuring %d steps in the safe mode for input %s", CALIBRATION_STEPS,
                      "of the next step (this one's keyword arguments are not seen)" if partial
                      else _shape_text(signature))
-        recorder = StepRecorder(self.device, self._probe, len(self.units) + 1)
+        recorder = StepRecorder(self.device, self._probe, len(self.units) + 1,
+                                ahead=self._runtime.transfers.ahead_low_water)
         self._pending = (shape, recorder)
         if self.device.type == "cuda":
             self._runtime.transfers.time_copies()

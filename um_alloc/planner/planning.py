@@ -10,7 +10,13 @@ points (a *segment*), the GPU's live peak and which units' activations were held
 Choosing a decision for unit j adds ``delta_j = retained_j(decision) - retained_j(safe) >= 0``
 bytes to every segment that holds unit j, so
 
-    predicted peak = max over segments s of (peak_s + sum of delta_j over the units s holds)
+    predicted peak = max over segments s of (peak_s - relief_s + sum of delta_j over the units s holds)
+
+In backward the safe step's peaks also hold its copies back ahead of use (up to the transfer
+window): ``ahead_s``, the fewest such bytes on the GPU all through segment s. A plan that moves
+less has fewer to copy back: at most the bytes it moves of the units s holds (M_s), so
+``relief_s = max(ahead_s - M_s, 0)``. Without it, a plan that keeps what the safe step moved would
+be charged twice in backward, for the bytes it keeps and for the safe step's window.
 
 and the predicted step time is the safe step's time less its recomputation plus what the chosen
 decisions cost. Moves cost no time as long as the link carries them behind compute: a unit may
@@ -164,6 +170,12 @@ class Segment:
     held: tuple[int, ...] = ()   # indices of the units whose activations were held across it
     seconds: float = 0.0         # on the GPU's clock
     cpu_seconds: float = 0.0     # on the host's
+    ahead_bytes: int = 0         # of peak_bytes, copies back ahead of use, at least, all through it
+
+    def relief(self, moved_held: float) -> float:
+        """What a plan that moves `moved_held` bytes of the units this segment holds has fewer on
+        the GPU here than the safe step: the copies back it cannot have."""
+        return max(self.ahead_bytes - moved_held, 0)
 
 
 @dataclass(frozen=True)
@@ -285,7 +297,7 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
     options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale(), COPY_OUT_LEAD_S)
                for u in cal.units]
     link_room = _link_room(cal, hide_fraction)
-    lowest = min((s.peak_bytes for s in cal.segments), default=0)  # where a prefix has the most room
+    lowest = min((s.peak_bytes - s.ahead_bytes for s in cal.segments), default=0)  # where a prefix has the most room
     grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
     choice = _cheapest(cal, options, limit, grid)
     decisions = tuple(options[j][i][0] for j, i in enumerate(choice))
@@ -303,8 +315,10 @@ def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: i
               link_room: int) -> Plan:
     safe = [u.retained(SAFE[u.kind]) for u in cal.units]
     delta = [u.retained(d) - s for u, d, s in zip(cal.units, decisions, safe)]
-    peak = max((s.peak_bytes + sum(delta[j] for j in s.held) for s in cal.segments), default=0)
-    moved = sum(u.moved(d) for u, d in zip(cal.units, decisions))
+    moves = [u.moved(d) for u, d in zip(cal.units, decisions)]
+    peak = max((s.peak_bytes - s.relief(sum(moves[j] for j in s.held)) + sum(delta[j] for j in s.held)
+                for s in cal.segments), default=0)
+    moved = sum(moves)
     rate, scale = cal.link_bytes_per_s, cal.hide_scale()
     costs = tuple(u.cost_s(d, rate, scale, COPY_OUT_LEAD_S) for u, d in zip(cal.units, decisions))
     step = cal.base_step_s() + sum(costs) + _stall_s(moved, link_room, cal.link_bytes_per_s)
@@ -341,13 +355,16 @@ def _link_room(cal: Calibration, hide_fraction: float) -> int:
     return int(min(hide_fraction * cal.link_bytes_per_s * min(forward, backward), 2.0**62))
 
 
-def _caps(cal: Calibration, limit: int, n: int) -> list[float]:
-    """cap[k]: the most bytes the first k units may add, from the segments whose held units all
-    come before k (a segment holding any of units 0..k-1 is bounded by the prefix through its last)."""
-    caps = [math.inf] * (n + 1)
+def _caps(cal: Calibration, limit: int, n: int, moved_cols: np.ndarray) -> np.ndarray:
+    """cap[k, c]: the most bytes the first k units may add when they move at most moved_cols[c]
+    bytes, from the segments whose held units all come before k (a segment holding any of units
+    0..k-1 is bounded by the prefix through its last). The prefix's moves bound those of the
+    units a segment holds from above, so its relief from below."""
+    caps = np.full((n + 1, len(moved_cols)), np.inf)
     for s in cal.segments:
         k = max(s.held) + 1 if s.held else 0
-        caps[k] = min(caps[k], limit - s.peak_bytes)
+        relief = np.maximum(s.ahead_bytes - moved_cols, 0)
+        caps[k] = np.minimum(caps[k], limit - s.peak_bytes + relief)
     return caps
 
 
@@ -382,9 +399,10 @@ def _cheapest(cal: Calibration, options, limit: int, grid: _Grid) -> list[int]:
     for the link, added at the end from the bytes moved.
     """
     rows, cols = grid.rows(options), grid.cols(options)
-    caps = _caps(cal, limit, len(options))
+    caps = _caps(cal, limit, len(options), np.arange(cols, dtype=np.float64) * grid.link_unit)
+    row_index = np.arange(rows)[:, None]
     cost = np.full((rows, cols), np.inf)
-    cost[0, 0] = 0.0 if caps[0] >= 0 else np.inf
+    cost[0, 0] = 0.0 if caps[0, 0] >= 0 else np.inf
     picks = []
     for k, opts in enumerate(options):
         best = np.full((rows, cols), np.inf)
@@ -397,8 +415,7 @@ def _cheapest(cal: Calibration, options, limit: int, grid: _Grid) -> list[int]:
             shifted[a:, m:] = cost[:rows - a, :cols - m] + seconds
             better = shifted < best
             best[better], pick[better] = shifted[better], i
-        if caps[k + 1] < math.inf:
-            best[max(int(caps[k + 1] // grid.unit) + 1, 0):, :] = np.inf
+        best[row_index > np.floor(caps[k + 1] / grid.unit)[None, :]] = np.inf
         cost = best
         picks.append(pick)
     total = cost + grid.stall_s(cols)[None, :]

@@ -11,6 +11,7 @@ time under which each unit's copies can hide.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,7 @@ class _Mark:
     cpu: float                # perf_counter: the host's time, which leads the GPU's while it queues work
     live: int
     peak: int                 # since the previous mark
+    ahead: int = 0            # the fewest bytes of copies back ahead of use since the previous mark
 
 
 @dataclass
@@ -102,8 +104,11 @@ class _UnitSeen:
 class StepRecorder:
     """Collects the marks of one step; ``calibration()`` turns them into the planner's data."""
 
-    def __init__(self, device: torch.device, probe: MemoryProbe, n_units: int):
-        self.device, self.probe = device, probe
+    def __init__(self, device: torch.device, probe: MemoryProbe, n_units: int,
+                 ahead: Callable[[], int] | None = None):
+        """`ahead`: the transfer engine's low-water of copies back on the GPU ahead of use since
+        it was last asked (ActivationOffload.ahead_low_water); None where nothing moves."""
+        self.device, self.probe, self._ahead = device, probe, ahead
         self.marks: list[_Mark] = []
         self.units = [_UnitSeen() for _ in range(n_units)]
         self._pairs: list[tuple[str, int, int, int]] = []  # (kind, unit, start mark, end mark)
@@ -113,7 +118,8 @@ class StepRecorder:
 
     def mark(self, label: str, unit: int | None = None) -> int:
         live, peak = self.probe.look()
-        self.marks.append(_Mark(label, unit, self._clock(), time.perf_counter(), live, peak))
+        ahead = self._ahead() if self._ahead is not None else 0
+        self.marks.append(_Mark(label, unit, self._clock(), time.perf_counter(), live, peak, ahead))
         index = len(self.marks) - 1
         if unit is not None and label == "post":
             self.units[unit].posts.append(index)
@@ -236,7 +242,8 @@ class StepRecorder:
             held = tuple(j for j, first, last in spans if first <= k - 1 and last >= k)
             label = f"{self._name(k - 1)} -> {self._name(k)}"
             before, after = self.marks[k - 1], self.marks[k]
-            out.append(Segment(label, after.peak, held, self._seconds(before.clock, after.clock), after.cpu - before.cpu))
+            out.append(Segment(label, after.peak, held, self._seconds(before.clock, after.clock), after.cpu - before.cpu,
+                               after.ahead))
         return tuple(out)
 
     def _name(self, k: int) -> str:

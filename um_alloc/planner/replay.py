@@ -232,8 +232,9 @@ class Runtime:
         if not step.in_backward:
             step.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, step))
-        step.mark("backward" if unit is not None else "backward start", unit)
+        # Copies back start first: the mark's stretch then holds them, as calibration counts it.
         self.transfers.copy_ahead()
+        step.mark("backward" if unit is not None else "backward start", unit)
 
     def _end_backward(self, step: Step) -> None:
         if step.done:
