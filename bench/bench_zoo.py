@@ -17,8 +17,8 @@ With --ablations, what the planner's step is made of, each also under the launch
   um_checkpointing   no budget, every layer checkpointed by Hugging Face: the peer on um_alloc
   planner_recompute  the budget, the planner told to recompute every block (strategy: checkpoint)
 
-Records (the protocol's fields, with the model, the peers' k, the planner's plan and predicted step
-time, and each method's ratio to the fastest peer that fits) share one run_id and go to
+Records (the protocol's fields, with the model, the peers' k, the planner's plan, predicted step
+time and calibration, and each method's ratio to the fastest peer that fits) share one run_id and go to
 bench/results/RUN_ID/zoo_<model>.json. A method that does not fit is recorded with its status.
 
 With --repeats N (default 2) the timed methods at each budget (checkpointing, the frontier's k,
@@ -111,6 +111,8 @@ def planner_record(launched: tuple, method: str, **common) -> dict:
     plan = (report.get("planner") or {}).get("plan")
     return record(summary, status, note, method=method, plan=plan, plan_table=report.get("plan_table"),
                   predicted_step_s=(plan or {}).get("predicted_step_s"),
+                  # what the plan came from: make_plan(calibration_from_dict(...), budget) plans it again
+                  calibration=(report.get("planner") or {}).get("calibration"),
                   # the planner's own clock: forward to forward, as it predicts
                   planner_measured_step_s=(report.get("planner") or {}).get("measured_step_s"), **common)
 

@@ -84,7 +84,8 @@ class StandIn:
         self.runs.append(run.name)
         if run.launch:
             report = Path(run.launch[run.launch.index("--json") + 1])
-            report.write_text('{"planner": {"plan": {"predicted_step_s": 0.08}}, "plan_table": "a table"}')
+            report.write_text('{"planner": {"plan": {"predicted_step_s": 0.08}, "calibration": {"step_s": 0.1}}, '
+                              '"plan_table": "a table"}')
             return self._summary(0, self.planner_rate, 9 * GiB), "ok", ""
         if "--checkpoint-layers" not in args:
             return self._summary(0, 100.0, 20 * GiB), "ok", ""
@@ -116,6 +117,7 @@ def test_one_model_is_compared_at_each_budget_with_the_fastest_checkpointing_tha
     assert by_method["planner"]["ratio_vs_fastest_peer"] == pytest.approx(95 / 84)
     assert by_method["planner"]["ratio_vs_stock"] == pytest.approx(0.95)
     assert by_method["planner"]["predicted_step_s"] == 0.08 and by_method["planner"]["plan_table"] == "a table"
+    assert by_method["planner"]["calibration"] == {"step_s": 0.1}
     assert by_method["planner"]["highwater_within_budget_plus_1GiB"] is True
     assert stand_in.runs.count("stock") == 1
 
