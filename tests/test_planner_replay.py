@@ -364,3 +364,42 @@ def test_a_block_that_changes_its_own_input_is_stopped_in_its_forward():
     with pytest.raises(RuntimeError, match=r"of 1 was changed in place by its own forward .*cannot be recomputed"):
         model(torch.randn(4, 8))
     runtime.detach()
+
+
+class Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class WideStack(torch.nn.Module):
+    """Three blocks whose inputs (2048 x 256 fp32, 2 MiB) the safe mode moves to host memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Wide() for _ in range(3)])
+        self.head = torch.nn.Linear(256, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+def test_calibration_counts_the_copies_back_each_stretch_of_backward_held_all_through():
+    torch.manual_seed(0)
+    model, x = WideStack(), torch.randn(2048, 256)
+    planner = BlockPlanner(model, "1GiB", window="4MiB")
+    for _ in range(3):  # two safe steps; the third's forward closes the calibration
+        model(x).backward()
+    segments, units = planner.calibration.segments, planner.calibration.units
+    first_backward = next(k for k, s in enumerate(segments) if "backward" in s.label)
+    assert all(s.ahead_bytes == 0 for s in segments[:first_backward])  # forward copies nothing back
+    held_back = [s.ahead_bytes for s in segments[first_backward:]]
+    assert max(held_back) > 0 and all(a <= 4 << 20 for a in held_back)  # within the window
+    moved = sum(u.input_bytes + (u.saved_bytes if u.kind == "gap" else 0) for u in units)
+    assert all(a <= moved for a in held_back)
+    planner.remove()
