@@ -97,6 +97,10 @@ def test_one_walk_finds_the_tensors_of_nested_containers():
     a, b, c, d = (torch.zeros(i + 1) for i in range(4))
     tree = {"x": [a, (b, "text")], "y": _Items(z=c), "n": 3, "w": collections.OrderedDict(v=d)}
     assert [t.numel() for t in tensors(tree)] == [1, 2, 3, 4]  # other leaves are skipped
+    Cos = collections.namedtuple("Cos", "cos sin")
+    mixed = ((None, a, True), {"p": torch.nn.Parameter(b)}, Cos(c, d), [0.5, [_Items(e=a)]])
+    assert [id(t) for t in tensors(mixed)] == [id(t) for _, t in tensor_leaves(mixed)]
+    assert len(tensors(mixed)) == 5
     paths = [p for p, _ in tensor_leaves({"x": [a, (b,)]}, "batch", strict=True)]
     assert paths == ["batch['x'][0]", "batch['x'][1][0]"]
     with pytest.raises(TypeError, match=r"batch\['x'\]\[1\]\[1\] is a str"):

@@ -35,9 +35,31 @@ def tensor_leaves(tree: Any, path: str | None = None, *,
                         "in (nested) tuples, lists and dicts")
 
 
-def tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors in `tree`; other leaves are skipped."""
-    return (tensor for _, tensor in tensor_leaves(tree))
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in `tree`, in tensor_leaves' order; other leaves are skipped. No paths and no
+    generators: the planner asks for every block's inputs and outputs, every step."""
+    found: list[torch.Tensor] = []
+    _collect(tree, found)
+    return found
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _collect(tree: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif type(tree) in _SCALARS:
+        return  # the usual non-tensor leaves, skipped before the slower mapping check
+    elif type(tree) in (tuple, list):
+        for value in tree:
+            _collect(value, found)
+    elif type(tree) is dict or _is_mapping(tree):
+        for _, value in tree.items():
+            _collect(value, found)
+    elif isinstance(tree, (tuple, list)):
+        for value in tree:
+            _collect(value, found)
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ class Runtime:
         self._where: int = self.rest          # the unit whose forward is running
         self._handles: list = []
         self.lean_loss = LeanLoss() if lean_loss else None
-        self._outside: contextlib.ExitStack | None = None  # what runs outside every unit, in a step's forward
+        self._outside: list | None = None  # what runs outside every unit, in a step's forward
         self._cached: list = []               # the configs whose use_cache attach turned off
 
     # -- attaching --
@@ -291,38 +291,40 @@ class Runtime:
 
     def _outside_units(self, on: bool) -> None:
         """Enters (or leaves) what applies outside every unit in a step's forward: the chunked
-        cross-entropy (a model's loss comes after its last unit), and the rest's moves if it moves."""
+        cross-entropy (a model's loss comes after its last unit), and the rest's moves if it moves.
+        Entered and left directly, twice a unit: no ExitStack to build each time."""
         if on == (self._outside is not None):
             return
         if not on:
-            self._outside, stack = None, self._outside
-            stack.close()
+            entered, self._outside = self._outside, None
+            for context in reversed(entered):
+                context.__exit__(None, None, None)
             return
-        step, stack = self._step, contextlib.ExitStack()
+        step, entered = self._step, []
         if self.lean_loss is not None:
-            stack.enter_context(self.lean_loss)
+            entered.append(self.lean_loss)
         if step is not None and step.spec.decisions[self.rest] is Decision.MOVE:
-            stack.enter_context(self._saved_tensors_moved())
-        self._outside = stack
+            entered.append(self._saved_tensors_moved())
+        for context in entered:
+            context.__enter__()
+        self._outside = entered
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
         parked: list[_Parked] = []
-        flat_args = [self._park(a, parked) for a in args]
-        flat_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
-        names = list(flat_kwargs)
+        held_args = [self._park(a, parked) for a in args]
+        held_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
 
-        def run(anchor, *values):
-            n = len(flat_args)
-            call_args = [_unpark(v) for v in values[:n]]
-            call_kwargs = {k: _unpark(v) for k, v in zip(names, values[n:])}
-            return forward(*call_args, **call_kwargs)
+        def run(anchor):
+            return forward(*[_unpark(v) for v in held_args], **{k: _unpark(v) for k, v in held_kwargs.items()})
 
+        # The call's arguments live in `run` (checkpoint keeps it until the recomputation) rather
+        # than among checkpoint's own, which it would walk twice a call; the anchor alone tells it
+        # which device's RNG state to keep.
         context_fn = functools.partial(self._contexts, step, index, decision, parked, inputs)
         early = set_checkpoint_early_stop(False) if step.spec.full_recompute else contextlib.nullcontext()
         with early:
-            out = checkpoint(run, self._anchor, *flat_args, *flat_kwargs.values(), use_reentrant=False,
-                             context_fn=context_fn, preserve_rng_state=True)
+            out = checkpoint(run, self._anchor, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
         inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
         if decision.moves_inputs:
             inputs.forget([p.tensor for p in parked])  # the rerun reads their copies, taken now
@@ -352,7 +354,7 @@ class Runtime:
             recompute_ctx.append(lambda: replaying)
         elif step.spec.count_ops and step.spec.recorder:
             recompute_ctx.append(lambda: KeptOpTimer(step.spec.recorder, index))
-        return _Enter(*forward_ctx), _Enter(*recompute_ctx)
+        return (_Enter(*forward_ctx) if forward_ctx else contextlib.nullcontext()), _Enter(*recompute_ctx)
 
     @contextlib.contextmanager
     def _recomputing(self, step: Step, index: int, parked: list, inputs: "_Unchanged"):
