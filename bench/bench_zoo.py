@@ -108,13 +108,16 @@ def pooled(runs: list[tuple]) -> tuple:
 
 def planner_record(launched: tuple, method: str, **common) -> dict:
     summary, status, note, report = launched
-    plan = (report.get("planner") or {}).get("plan")
+    planner = report.get("planner") or {}
+    plan = planner.get("plan")
     return record(summary, status, note, method=method, plan=plan, plan_table=report.get("plan_table"),
                   predicted_step_s=(plan or {}).get("predicted_step_s"),
                   # what the plan came from: make_plan(calibration_from_dict(...), budget) plans it again
-                  calibration=(report.get("planner") or {}).get("calibration"),
+                  calibration=planner.get("calibration"),
+                  # the plans tried in the first steps, each predicted and measured, and which stayed
+                  trials=planner.get("trials"),
                   # the planner's own clock: forward to forward, as it predicts
-                  planner_measured_step_s=(report.get("planner") or {}).get("measured_step_s"), **common)
+                  planner_measured_step_s=planner.get("measured_step_s"), **common)
 
 
 def record(summary: dict | None, status: str, note: str, *, method: str, model: str, run_id: str,
@@ -226,9 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default="llama,t5,vit", help="comma-separated, of bench/zoo_train.py's MODELS")
     p.add_argument("--fractions", default="0.6", help="budgets as fractions of stock's peak, comma-separated")
     p.add_argument("--batch", type=int, help="every model's batch (default: each model's own)")
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--warmup", type=int, default=8, help="first steps left out of the median (the planner "
-                   "calibrates in the first two)")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=14, help="first steps left out of the median (the planner "
+                   "calibrates in the first two, then tries up to three plans for four steps each)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each timed method, alternated (see above)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "

@@ -9,8 +9,11 @@
 
 For each input shape, the first two training steps run in the safe mode (every block recomputed
 with its inputs in host memory, every gap's activations in host memory) and measure; the third
-runs the plan. A step that runs out of memory makes the planner keep less (its margin grows) and
-plan again; the loop decides whether to repeat the step (bert_example/train.py does).
+runs the plan. Where the plan rebuilds or moves, whose cost depends on the host more than one
+measured step shows, the best plans without them run four steps each after it, and the fastest
+measured stays (trials.py). A step that runs out of memory makes the planner keep less (its
+margin grows) and plan again; the loop decides whether to repeat the step (bert_example/train.py
+does).
 
 Troubleshooting:
 - "no repeated blocks found": the model has no ModuleList/Sequential of two or more modules of one
@@ -24,6 +27,7 @@ Troubleshooting:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import weakref
@@ -43,6 +47,7 @@ from .planning import (BLOCK_DECISIONS, SAFE, Calibration, Decision, Plan, PlanI
                        evaluate, make_plan, pool_repeats)
 from .record import MemoryProbe, StepRecorder, link_rate
 from .replay import Runtime, Step, StepSpec, input_signature
+from .trials import PlanTrials, runners_up
 
 __all__ = ["BlockPlanner", "plan", "planner_of", "STRATEGIES"]
 
@@ -64,6 +69,7 @@ class _Shape:
     recipes: dict = field(default_factory=dict)  # unit -> what its saves rebuild equal from (UnitRecipes)
     calibration: Calibration | None = None
     plan: Plan | None = None
+    trials: PlanTrials | None = None               # the plan and its runners-up, tried in turn
     failures: int = 0                              # safe-mode steps that ran out of memory
 
 
@@ -139,6 +145,10 @@ class BlockPlanner:
                                  f"input {_shape_text(signature)}; lower the batch or keep optimizer state in "
                                  "host memory (host_optimizer.yaml)", 0)
         if shape.plan is not None:
+            if shape.trials is not None and not shape.trials.done:
+                shape.plan = shape.trials.begin_step()
+                if shape.trials.done:
+                    log.info("planner: %s", shape.trials.summary())
             self._current = shape.plan
             self._note_start(shape.plan)
             return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.recipes)
@@ -208,7 +218,18 @@ class BlockPlanner:
             return
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
-        shape.plan = self._make(shape.calibration)
+        self._plan_shape(shape)
+
+    def _plan_shape(self, shape: _Shape) -> None:
+        """The shape's plan from its calibration, and its runners-up to try (trials.py)."""
+        shape.plan, shape.trials = self._make(shape.calibration), None
+        if self.strategy == "checkpoint":
+            return
+        candidates = runners_up(shape.plan, functools.partial(self._make_or_none, shape.calibration), self.allowed)
+        if len(candidates) > 1:
+            shape.trials = PlanTrials(candidates, self.device)
+            log.info("planner: trying %d plans for %d steps each, the fastest stays: %s", len(candidates),
+                     shape.trials.steps, "; ".join(p.table().splitlines()[-1] for p in candidates[1:]))
 
     def _make(self, cal: Calibration) -> Plan:
         if self.strategy == "checkpoint":
@@ -220,13 +241,20 @@ class BlockPlanner:
         log.info("planner: %s", made.table().splitlines()[-1])
         return made
 
+    def _make_or_none(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan | None:
+        try:
+            return make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
+                             allowed=allowed)
+        except PlanInfeasible:
+            return None
+
     def on_out_of_memory(self) -> None:
         """A planned step ran out of memory: keep less from now on (a larger margin), plan again."""
         self.margin += max(256 << 20, self.budget // 16)
         log.warning("planner: a step ran out of memory; margin now %s, planning again", format_size(self.margin))
         for shape in self._shapes.values():
             if shape.calibration is not None:
-                shape.plan = self._make(shape.calibration)
+                self._plan_shape(shape)
 
     def force(self, decisions) -> Plan:
         """Runs `decisions` instead of the plan for the input shape seen last, from its next step
@@ -234,7 +262,7 @@ class BlockPlanner:
         model against the measured step. `decisions` has one entry per unit and one for what is
         saved outside them (Decision or its name; see ``calibration.units``), or is a single name
         for every block, the gaps kept. Planning again (an out-of-memory step) replaces it."""
-        shape = next((s for s in self._shapes.values() if s.plan is not None and s.plan is self._current), None)
+        shape = self._current_shape()
         if shape is None:
             raise RuntimeError("BlockPlanner.force: no plan yet; the first steps of an input shape measure")
         units = shape.calibration.units
@@ -247,6 +275,7 @@ class BlockPlanner:
                              f"{format_size(forced.predicted_peak_bytes)}, over the {format_size(forced.limit_bytes)} "
                              f"the budget of {format_size(self.budget)} leaves; keep less")
         shape.plan = self._current = forced
+        shape.trials = None
         return forced
 
     # -- what users read --
@@ -267,7 +296,10 @@ class BlockPlanner:
         return statistics.median(times) if times else None
 
     def table(self) -> str:
-        return self.plan.table() if self.plan else "planner: no plan yet (the first steps measure)"
+        if not self.plan:
+            return "planner: no plan yet (the first steps measure)"
+        trials = self._current_trials()
+        return self.plan.table() + (f"\n{trials.summary()}" if trials else "")
 
     def to_dict(self) -> dict:
         out = {"strategy": self.strategy, "budget_bytes": self.budget, "margin_bytes": self.margin,
@@ -276,6 +308,9 @@ class BlockPlanner:
             out["lean_loss_calls"] = self._runtime.lean_loss.calls
         if self.plan:
             out.update(plan=self.plan.to_dict(), measured_step_s=self.measured_step_s())
+            trials = self._current_trials()
+            if trials:
+                out["trials"] = trials.to_list()
         calibration = self.calibration
         if calibration is not None:
             out["calibration"] = calibration_to_dict(calibration)
@@ -285,10 +320,15 @@ class BlockPlanner:
     def calibration(self) -> Calibration | None:
         """What the plan of the input shape seen last was made from: plan it again at another budget
         with ``make_plan(planner.calibration, budget)``."""
-        for shape in self._shapes.values():
-            if shape.plan is not None and shape.plan is self._current:
-                return shape.calibration
-        return None
+        shape = self._current_shape()
+        return shape.calibration if shape else None
+
+    def _current_shape(self) -> _Shape | None:
+        return next((s for s in self._shapes.values() if s.plan is not None and s.plan is self._current), None)
+
+    def _current_trials(self) -> PlanTrials | None:
+        shape = self._current_shape()
+        return shape.trials if shape else None
 
     def remove(self) -> None:
         """Detaches from the model: its units run as they did before."""

@@ -1,0 +1,130 @@
+"""Trying the runners-up (um_alloc.planner.trials): which plans are tried, what is measured, which
+stays; and the director's wiring on the CPU."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, Decision
+from um_alloc.planner import director as director_module
+from um_alloc.planner.planning import make_plan
+from um_alloc.planner.trials import ALTERNATIVE_WITHIN, PlanTrials, runners_up
+from test_planner_plan import GiB, MiB, transformer
+from test_planner_replay import tiny_bert
+
+DEFAULT = frozenset({Decision.KEEP, Decision.REBUILD, Decision.MOVE, Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED})
+
+
+class ScriptedClock:
+    """Step starts at the times given: the intervals between them are the steps' times."""
+
+    def __init__(self, starts):
+        self._starts = iter(starts)
+
+    def mark(self):
+        return next(self._starts)
+
+    def seconds(self, start, end):
+        return end - start
+
+
+def rebuilding():
+    """A calibration whose plan at 11 GiB rebuilds: cheap rebuilds of 300 MiB a block."""
+    cal = transformer(blocks=8)
+    units = tuple(replace(u, rebuildable_bytes=300 * MiB, rebuild_s=0.3e-3) if u.kind == "block" else u
+                  for u in cal.units)
+    return replace(cal, units=units)
+
+
+def test_each_candidate_runs_its_steps_and_the_fastest_measured_stays():
+    cal = rebuilding()
+    a, b = make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
+    # a: its first step slow (left out), then 0.2 s a step; b: 0.1 s a step.
+    starts = [0.0, 5.0, 5.2, 5.4, 5.6, 5.7, 5.8, 5.9, 6.0]
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
+    ran = [trials.begin_step() for _ in range(9)]
+    assert ran[:4] == [a] * 4 and ran[4:8] == [b] * 4
+    assert ran[8] is b and trials.done and trials.chosen is b
+    assert [t.measured_step_s for t in trials.tried] == pytest.approx([0.2, 0.1])
+    assert trials.begin_step() is b  # no more marks are taken: the scripted clock has none left
+    assert "(kept)" in trials.summary().split("] [")[1]
+    assert [t["kept"] for t in trials.to_list()] == [False, True]
+
+
+def test_a_slow_first_step_alone_does_not_lose_the_trial():
+    cal = rebuilding()
+    a, b = make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
+    starts = [0.0, 9.0, 9.1, 9.2, 9.3, 9.45, 9.6, 9.75, 9.9]  # a: 9 s, then 0.1 s; b: 0.15 s
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
+    for _ in range(9):
+        trials.begin_step()
+    assert trials.chosen is a
+
+
+def test_a_trial_needs_two_plans_and_two_steps_each():
+    plan = make_plan(rebuilding(), 11 * GiB)
+    with pytest.raises(ValueError, match="1 candidate"):
+        PlanTrials([plan], torch.device("cpu"))
+    with pytest.raises(ValueError, match="steps=1"):
+        PlanTrials([plan, plan], torch.device("cpu"), steps=1)
+
+
+def test_a_plan_that_rebuilds_is_tried_against_the_best_without_rebuilds():
+    cal = rebuilding()
+    best = make_plan(cal, 11 * GiB)
+    assert Decision.REBUILD in best.decisions
+    asked = []
+
+    def make(allowed):
+        asked.append(allowed)
+        return make_plan(cal, 11 * GiB, allowed=allowed)
+
+    candidates = runners_up(best, make, DEFAULT)
+    assert asked[0] == DEFAULT - {Decision.REBUILD}
+    assert candidates[0] is best and len(candidates) >= 2
+    assert Decision.REBUILD not in candidates[1].decisions
+    assert candidates[1].predicted_peak_bytes <= candidates[1].limit_bytes
+
+
+def test_no_runner_up_where_the_plan_uses_nothing_uncertain_or_none_fits_or_it_is_far_slower():
+    cal = transformer()
+    kept = make_plan(cal, 40 * GiB)  # everything kept
+    assert runners_up(kept, lambda allowed: pytest.fail("nothing to try"), DEFAULT) == [kept]
+    best = make_plan(rebuilding(), 11 * GiB)
+    assert runners_up(best, lambda allowed: None, DEFAULT) == [best]
+    far = replace(best, decisions=tuple(Decision.KEEP for _ in best.decisions),
+                  predicted_step_s=best.predicted_step_s * (ALTERNATIVE_WITHIN + 0.01))
+    assert runners_up(best, lambda allowed: far, DEFAULT) == [best]
+    assert runners_up(best, lambda allowed: best, DEFAULT) == [best]  # the same plan is not tried twice
+
+
+def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
+    """On the CPU every plan keeps everything; the wiring is what is tested: the candidates run
+    in turn from the first planned step, the table and to_dict report them, force() ends them."""
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    made = []
+
+    def two_candidates(best, make, allowed):
+        other = replace(best, predicted_step_s=best.predicted_step_s * 1.1)
+        made.append((best, other))
+        return [best, other]
+
+    monkeypatch.setattr(director_module, "runners_up", two_candidates)
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(5))
+    ran = []
+    for step in range(2 + 2 * 4 + 2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        ran.append(planner.plan)
+        if step == 2:
+            assert "trying" not in planner.table() and "tried [" in planner.table()
+    best, other = made[0]
+    assert ran[:2] == [None, None]
+    assert ran[2:6] == [best] * 4 and ran[6:10] == [other] * 4
+    assert ran[10] is ran[11] and ran[10] in (best, other)
+    trials = planner.to_dict()["trials"]
+    assert [t["kept"] for t in trials].count(True) == 1
+    assert all(t["measured_step_s"] > 0 for t in trials)
+    planner.force("keep")
+    assert "trials" not in planner.to_dict()
+    planner.remove()

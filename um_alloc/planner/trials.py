@@ -1,0 +1,133 @@
+"""Trying the runners-up: a few steps of each plan the cost model cannot tell apart, the fastest kept.
+
+The cost model prices a decision from one measured step. Two of its prices depend on the host more
+than calibration can see: a rebuild's Python work in forward and backward (measured on one H200
+host, a Llama-style block rebuilt took 1.3 ms more than kept where calibration predicted 0.2 ms,
+and a ViT-B/16 block 0.5 ms where it predicted 0.9), and copies whose hiding depends on how far
+the host runs ahead of the GPU. So where the plan uses either, the best plan without it is a
+candidate too, if predicted within ALTERNATIVE_WITHIN of the plan (the safe mode's own decisions
+stay allowed: "without moves" is the plan with the fewest moves that fits). Each candidate runs
+STEPS_PER_CANDIDATE steps, and the one with the least median step time stays. Every candidate
+is predicted to fit the budget: a trial costs time, never memory.
+
+A step's time is measured from its start to the next one's (CUDA events on the GPU, so only the
+switch from one candidate to the next waits for the GPU; the host's clock on the CPU). The first
+step of each candidate is left out: it meets the allocator's state the previous plan left.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .planning import Decision, Plan
+
+__all__ = ["PlanTrials", "UNCERTAIN", "ALTERNATIVE_WITHIN", "STEPS_PER_CANDIDATE"]
+
+# The decisions whose cost the model is least sure of, each family tried away as a whole.
+UNCERTAIN = (
+    frozenset({Decision.REBUILD}),
+    frozenset({Decision.MOVE, Decision.RECOMPUTE_MOVED, Decision.SELECTIVE_MOVED}),
+)
+ALTERNATIVE_WITHIN = 1.25    # a runner-up predicted this much slower than the plan, at most, is tried
+STEPS_PER_CANDIDATE = 4      # steps each candidate runs; the last three intervals are measured
+
+
+@dataclass
+class Tried:
+    plan: Plan
+    measured_step_s: float | None = None   # median of its measured intervals; None: not run yet
+
+
+class _Clock:
+    """Marks of step starts: CUDA events on a GPU (read once a candidate is done), else the host's."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._device = device
+
+    def mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self._cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class PlanTrials:
+    """Runs each candidate plan for `steps` steps, in order, then keeps the fastest measured.
+
+    Call ``begin_step()`` at each step's start; it returns the plan that step runs.
+    """
+
+    def __init__(self, candidates: list[Plan], device: torch.device, steps: int = STEPS_PER_CANDIDATE,
+                 clock=None):
+        if len(candidates) < 2:
+            raise ValueError(f"PlanTrials: {len(candidates)} candidate(s); a trial needs at least 2")
+        if steps < 2:
+            raise ValueError(f"PlanTrials: steps={steps}; at least 2 (the first of each is left out)")
+        self.tried = [Tried(plan) for plan in candidates]
+        self.steps = steps
+        self._clock = clock or _Clock(device)
+        self._marks: list = []
+        self._running = 0
+        self.chosen: Plan | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.chosen is not None
+
+    def begin_step(self) -> Plan:
+        if self.done:
+            return self.chosen
+        mark = self._clock.mark()
+        self._marks.append(mark)
+        if len(self._marks) == self.steps + 1:  # the running candidate's last step has ended
+            self._close_candidate()
+            self._marks = [mark]             # the next one's first step starts here
+        return self.chosen or self.tried[self._running].plan
+
+    def _close_candidate(self) -> None:
+        intervals = [self._clock.seconds(a, b) for a, b in zip(self._marks, self._marks[1:])]
+        self.tried[self._running].measured_step_s = statistics.median(intervals[1:])
+        self._running += 1
+        if self._running == len(self.tried):
+            self.chosen = min(self.tried, key=lambda t: t.measured_step_s).plan
+
+    def summary(self) -> str:
+        """One line: each candidate's decisions, predicted and measured step, and which stayed."""
+        parts = []
+        for t in self.tried:
+            counts = ", ".join(f"{n} {k}" for k, n in t.plan.counts().items())
+            measured = "not run" if t.measured_step_s is None else f"measured {1e3 * t.measured_step_s:.1f} ms"
+            kept = " (kept)" if t.plan is self.chosen else ""
+            parts.append(f"[{counts}: predicted {1e3 * t.plan.predicted_step_s:.1f} ms, {measured}{kept}]")
+        return "tried " + " ".join(parts)
+
+    def to_list(self) -> list[dict]:
+        return [{"decisions": t.plan.counts(), "predicted_step_s": t.plan.predicted_step_s,
+                 "measured_step_s": t.measured_step_s, "kept": t.plan is self.chosen} for t in self.tried]
+
+
+def runners_up(best: Plan, make, allowed: frozenset[Decision]) -> list[Plan]:
+    """The candidates beside `best`: for each UNCERTAIN family `best` uses, the plan `make(allowed)`
+    returns without that family (skipped where none fits, where it is `best` again, or where it
+    is predicted more than ALTERNATIVE_WITHIN slower)."""
+    out: list[Plan] = [best]
+    for family in UNCERTAIN:
+        if not family & set(best.decisions):
+            continue
+        alternative = make(allowed - family)
+        if alternative is None or any(alternative.decisions == p.decisions for p in out):
+            continue
+        if alternative.predicted_step_s <= ALTERNATIVE_WITHIN * best.predicted_step_s:
+            out.append(alternative)
+    return out
