@@ -1,14 +1,17 @@
 """Trying the runners-up: a few steps of each plan the cost model cannot tell apart, the fastest kept.
 
 The cost model prices a decision from one measured step. Two of its prices depend on the host more
-than calibration can see: a rebuild's Python work in forward and backward (measured on one H200
-host, a Llama-style block rebuilt took 1.3 ms more than kept where calibration predicted 0.2 ms,
-and a ViT-B/16 block 0.5 ms where it predicted 0.9), and copies whose hiding depends on how far
-the host runs ahead of the GPU. So where the plan uses either, the best plan without it is a
-candidate too, if predicted within ALTERNATIVE_WITHIN of the plan (the safe mode's own decisions
-stay allowed: "without moves" is the plan with the fewest moves that fits). Each candidate runs
-STEPS_PER_CANDIDATE steps, and the one with the least median step time stays. Every candidate
-is predicted to fit the budget: a trial costs time, never memory.
+than calibration can see: a rebuild's Python work in forward and backward, and copies whose hiding
+depends on how far the host runs ahead of the GPU. On one H200 host, in two rounds each
+(bench/results/zoo_planner_trials/forced_decisions), a Llama-style block rebuilt took 1.25 and
+1.37 ms more than kept where the calibrations of those runs predicted 0.34 and 2.3 ms, and a
+ViT-B/16 block 0.53 and 0.54 ms where they predicted 1.2 and 0.6 ms.
+
+So where the plan uses either, the best plan without it is a candidate too, if predicted within
+ALTERNATIVE_WITHIN of the plan (the safe mode's own decisions stay allowed: "without moves" is
+the plan with the fewest moves that fits). Each candidate runs STEPS_PER_CANDIDATE steps, and
+the one with the least median step time stays. Every candidate is predicted to fit the budget:
+a trial costs time, never memory.
 
 A step's time is measured from its start to the next one's (CUDA events on the GPU, so only the
 switch from one candidate to the next waits for the GPU; the host's clock on the CPU). The first
