@@ -128,3 +128,45 @@ def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
     planner.force("keep")
     assert "trials" not in planner.to_dict()
     planner.remove()
+
+
+def test_an_interval_another_inputs_step_ran_in_is_left_out():
+    cal = rebuilding()
+    a, b = make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
+    # a: 0.1 s a step, but one interval holds another input's 5 s step; b: 0.15 s a step.
+    starts = [0.0, 1.0, 1.1, 6.1, 6.2, 6.35, 6.5, 6.65, 6.8]
+    follows = [True, True, True, False, True, True, True, True, True]
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
+    for f in follows:
+        trials.begin_step(f)
+    assert [t.measured_step_s for t in trials.tried] == pytest.approx([0.1, 0.15])
+    assert trials.chosen is a
+
+
+@pytest.mark.parametrize("clean_b, chosen", [(True, "b"), (False, "a")])
+def test_a_candidate_with_no_clean_interval_is_not_chosen_and_without_any_the_plan_stays(clean_b, chosen):
+    cal = rebuilding()
+    plans = {"a": make_plan(cal, 11 * GiB), "b": make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})}
+    starts = [0.0, 1.0, 2.0, 3.0, 4.0, 4.1, 4.2, 4.3, 4.4]
+    follows = [True, True, False, False, False] + [True, clean_b, clean_b, clean_b]
+    trials = PlanTrials([plans["a"], plans["b"]], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
+    for f in follows:
+        trials.begin_step(f)
+    assert trials.tried[0].measured_step_s is None
+    assert trials.chosen is plans[chosen]
+    assert "not measured" in trials.summary()
+
+
+def test_alternating_inputs_measure_nothing_and_each_keeps_its_plan(monkeypatch):
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    monkeypatch.setattr(director_module, "runners_up", lambda best, make, allowed: [
+        best, replace(best, predicted_step_s=best.predicted_step_s * 1.1)])
+    generator = torch.Generator().manual_seed(6)
+    for step in range(2 * (2 + 2 * 4 + 1)):
+        ids = torch.randint(0, 97, (4, 16 if step % 2 else 8), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+    trials = planner.to_dict()["trials"]
+    assert [t["measured_step_s"] for t in trials] == [None, None]
+    assert [t["kept"] for t in trials] == [True, False]
+    planner.remove()

@@ -126,6 +126,7 @@ class BlockPlanner:
         self._shapes: dict[tuple, _Shape] = {}
         self._pending: tuple[_Shape, StepRecorder] | None = None
         self._unkeyed: tuple[tuple, _Shape] | None = None  # a step's shape known only in part (begin_forward)
+        self._last_shape: _Shape | None = None             # the input of the step begun last
         self._starts: list[tuple[Plan, object]] = []
         self._current: Plan | None = None
         self._ooms = self._probe.out_of_memory_count()
@@ -144,9 +145,11 @@ class BlockPlanner:
                                  f"activations in host memory) ran out of memory {shape.failures} times for "
                                  f"input {_shape_text(signature)}; lower the batch or keep optimizer state in "
                                  "host memory (host_optimizer.yaml)", 0)
+        follows, self._last_shape = self._last_shape is shape, shape
         if shape.plan is not None:
             if shape.trials is not None and not shape.trials.done:
-                shape.plan = shape.trials.begin_step()
+                # A step of another input in between is in this interval: it does not count.
+                shape.plan = shape.trials.begin_step(follows)
                 if shape.trials.done:
                     log.info("planner: %s", shape.trials.summary())
             self._current = shape.plan

@@ -15,7 +15,9 @@ a trial costs time, never memory.
 
 A step's time is measured from its start to the next one's (CUDA events on the GPU, so only the
 switch from one candidate to the next waits for the GPU; the host's clock on the CPU). The first
-step of each candidate is left out: it meets the allocator's state the previous plan left.
+step of each candidate is left out: it meets the allocator's state the previous plan left. So is
+an interval in which a step of another input shape ran (its own plan, not this one); a candidate
+left with no interval is not chosen, and where none has one, the plan stays.
 """
 from __future__ import annotations
 
@@ -88,29 +90,33 @@ class PlanTrials:
     def done(self) -> bool:
         return self.chosen is not None
 
-    def begin_step(self) -> Plan:
+    def begin_step(self, follows: bool = True) -> Plan:
+        """`follows`: the step before this one was of the same input (its interval counts)."""
         if self.done:
             return self.chosen
         mark = self._clock.mark()
-        self._marks.append(mark)
+        self._marks.append((mark, follows))
         if len(self._marks) == self.steps + 1:  # the running candidate's last step has ended
             self._close_candidate()
-            self._marks = [mark]             # the next one's first step starts here
+            self._marks = [(mark, True)]     # the next one's first step starts here
         return self.chosen or self.tried[self._running].plan
 
     def _close_candidate(self) -> None:
-        intervals = [self._clock.seconds(a, b) for a, b in zip(self._marks, self._marks[1:])]
-        self.tried[self._running].measured_step_s = statistics.median(intervals[1:])
+        # Left out: the candidate's first step, and any interval another input's step ran in.
+        intervals = [self._clock.seconds(a, b) for (a, _), (b, follows) in zip(self._marks[1:], self._marks[2:])
+                     if follows]
+        self.tried[self._running].measured_step_s = statistics.median(intervals) if intervals else None
         self._running += 1
         if self._running == len(self.tried):
-            self.chosen = min(self.tried, key=lambda t: t.measured_step_s).plan
+            measured = [t for t in self.tried if t.measured_step_s is not None]
+            self.chosen = min(measured, key=lambda t: t.measured_step_s).plan if measured else self.tried[0].plan
 
     def summary(self) -> str:
         """One line: each candidate's decisions, predicted and measured step, and which stayed."""
         parts = []
         for t in self.tried:
             counts = ", ".join(f"{n} {k}" for k, n in t.plan.counts().items())
-            measured = "not run" if t.measured_step_s is None else f"measured {1e3 * t.measured_step_s:.1f} ms"
+            measured = "not measured" if t.measured_step_s is None else f"measured {1e3 * t.measured_step_s:.1f} ms"
             kept = " (kept)" if t.plan is self.chosen else ""
             parts.append(f"[{counts}: predicted {1e3 * t.plan.predicted_step_s:.1f} ms, {measured}{kept}]")
         return "tried " + " ".join(parts)
