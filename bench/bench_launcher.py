@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from bench_trainer import EXAMPLE, alternated, example_args, record, run_example
-from harness import RESULTS, new_run_id, ratio, write_result
+from harness import RESULTS, new_run_id, ratio, refuse_bad_counts, write_result
 
 from um_alloc.sizes import format_size
 
@@ -45,10 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if not 0 <= args.warmup < args.steps:
-        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be at least 1; got {args.repeats}")
+    refuse_bad_counts(p, args)
     return args
 
 

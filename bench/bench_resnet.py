@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import RESULTS, child_env, new_run_id, ratio, write_result
+from harness import RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -176,8 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     budget = parse_size(args.budget, key="--budget", source="command line")
-    if not 0 <= args.warmup < args.steps:
-        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
+    refuse_bad_counts(p, args)
     if args.child:
         print(MARKER + json.dumps(train(args.child, args.batch, budget, args.steps, args.warmup)), flush=True)
         return 0

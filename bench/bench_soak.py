@@ -37,7 +37,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import RESULTS, child_env, write_result
+from harness import RESULTS, child_env, refuse_bad_counts, write_result
 
 import torch
 
@@ -296,8 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.modes = args.modes.split(",")
     if not set(args.modes) <= set(MODES):
         p.error(f"--modes: expected some of {', '.join(MODES)}, got {','.join(args.modes)}")
-    if not 0 <= args.warmup < args.steps:
-        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
+    refuse_bad_counts(p, args)
     if min(args.batch_size, args.seq_len, args.nvml_every) < 1:
         p.error("--batch-size, --seq-len and --nvml-every must be at least 1")
     return args

@@ -26,7 +26,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import RESULTS, child_env, new_run_id, ratio, write_result
+from harness import RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
 
 from um_alloc.device_info import device_memory
 from um_alloc.sizes import format_size, parse_size
@@ -137,10 +137,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         p.error(f"--methods: unknown {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
-    if not 0 <= args.warmup < args.steps:
-        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be at least 1; got {args.repeats}")
+    refuse_bad_counts(p, args)
     run_id = new_run_id("trainer")
     runs = alternated(methods, args.repeats, lambda method: run_example(
         lambda result, report: command(method, args, result, report), args.timeout))

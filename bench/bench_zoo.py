@@ -38,8 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import (RESULTS, ROOT, Run, new_run_id, protocol_record, ratio, raw_policy, run_train, smallest_fitting,
-                     with_scheduler, write_policy, write_result)
+from harness import (RESULTS, ROOT, Run, new_run_id, protocol_record, ratio, raw_policy, refuse_bad_counts,
+                     run_train, smallest_fitting, with_scheduler, write_policy, write_result)
 
 from um_alloc.sizes import format_size
 
@@ -251,10 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fractions must be numbers between 0 and 1, comma-separated; got {args.fractions!r}")
     if not all(0 < f < 1 for f in args.fractions):
         p.error(f"--fractions must lie between 0 and 1 (budgets below stock's peak); got {args.fractions}")
-    if not 0 <= args.warmup < args.steps:
-        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be at least 1; got {args.repeats}")
+    refuse_bad_counts(p, args)
     return args
 
 

@@ -251,6 +251,15 @@ MEMORY_COLUMNS = [("highwater_bytes", "GPU high-water", "bytes"), ("peak_bytes",
 OFFLOAD_COLUMNS = [("offload_out_bytes", "offloaded each way /step", "bytes")]  # pinned copies, not UM
 
 
+def refuse_bad_counts(p: argparse.ArgumentParser, args) -> None:
+    """--warmup below --steps, and --repeats (where the benchmark has it) at least 1: else the
+    parser's error, before any GPU work."""
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
+    if getattr(args, "repeats", 1) < 1:
+        p.error(f"--repeats must be at least 1; got {args.repeats}")
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload every run of a comparison shares: same model, batch, sequence, steps and budget."""
     p.add_argument("--model", choices=("large", "tiny"), default="large")
