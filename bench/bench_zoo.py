@@ -3,6 +3,7 @@ everything in memory and everything checkpointed: each model in one invocation.
 
     python bench/bench_zoo.py --models llama,t5,vit            # budgets at 0.6x stock's peak
     python bench/bench_zoo.py --models vit --fractions 0.4,0.7
+    python bench/bench_zoo.py --models llama --lengths 256:1024   # a length per step (dynamic padding)
 
 For each model (bench/zoo_train.py: a plain loop with no um_alloc line, each run a process of its own):
   stock          PyTorch's allocator, everything in memory: the reference of every ratio; its peak
@@ -67,6 +68,8 @@ def zoo_run(name: str, model: str, args, *extra: str, launch: tuple[str, ...] = 
     train_args = ["--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup), *extra]
     if args.batch:
         train_args += ["--batch", str(args.batch)]
+    if args.lengths:
+        train_args += ["--lengths", args.lengths]
     return Run(name, f"bench/zoo_train.py {' '.join(train_args)}", train_args, script=ZOO_TRAIN, launch=launch)
 
 
@@ -117,7 +120,9 @@ def planner_record(launched: tuple, method: str, **common) -> dict:
                   # the plans tried in the first steps, each predicted and measured, and which stayed
                   trials=planner.get("trials"),
                   # the planner's own clock: forward to forward, as it predicts
-                  planner_measured_step_s=planner.get("measured_step_s"), **common)
+                  planner_measured_step_s=planner.get("measured_step_s"),
+                  # steps run in the safe mode to measure, and input shapes planned or borrowing a plan
+                  safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"), **common)
 
 
 def record(summary: dict | None, status: str, note: str, *, method: str, model: str, run_id: str,
@@ -127,6 +132,8 @@ def record(summary: dict | None, status: str, note: str, *, method: str, model: 
     out.update(model=model, status=status, note=note, budget_bytes=budget,
                checkpointed_layers=(summary or {}).get("checkpointed_layers"),
                peak_bytes=(summary or {}).get("peak_bytes"),
+               # --lengths: each step's sequence length, and the mean step that samples/s is made of
+               lengths=(summary or {}).get("lengths"), step_s_mean=(summary or {}).get("step_s_mean"),
                samples_per_s_runs=(summary or {}).get("samples_per_s_runs"), **fields)
     return out
 
@@ -233,6 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=14, help="first steps left out of the median (the planner "
                    "calibrates in the first two, then tries up to three plans for four steps each)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each timed method, alternated (see above)")
+    p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
+                   "(bench/zoo_train.py --lengths; llama and t5): samples/s is then the mean after --warmup")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")

@@ -12,6 +12,11 @@ parameters), t5 (an encoder-decoder of 12 + 12 layers, gated-GELU feed-forward a
 Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M). --tiny builds two-layer versions of
 each for tests (on the CPU with --cpu).
 
+--lengths MIN:MAX (the sequence models) gives each step a sequence length drawn from MIN to MAX,
+rounded up to a multiple of 8, as a data collator padding each batch to its longest sequence
+(pad_to_multiple_of=8) does; samples/s is then the mean over the steps after --warmup, not the
+median, since what a new length costs is the point.
+
 No key-value cache: training needs none. --checkpoint-layers K checkpoints the first K of the model's layers in module order (Hugging
 Face's own gradient checkpointing, turned off layer by layer past K); "all" checkpoints every one.
 --memory-limit caps PyTorch's allocator with set_per_process_memory_fraction. The last line of
@@ -34,6 +39,9 @@ EXIT_OOM = 3  # as bert_example/train.py, which bench/harness.py reads
 BATCHES = 4   # distinct batches, used in turn
 
 
+PAD_TO = 8    # --lengths: a length is rounded up to a multiple of this
+
+
 @dataclass(frozen=True)
 class ZooModel:
     """A model, the shape of its data, and what one sample is."""
@@ -41,6 +49,7 @@ class ZooModel:
     batch: int                                 # the default batch
     make_batch: Callable[..., dict]            # (batch, tiny, generator) -> the model's keyword arguments
     sample: str
+    sequence_key: str | None = None            # the input whose length --lengths draws
 
 
 def _llama(tiny: bool):
@@ -94,8 +103,8 @@ def _vit_batch(batch: int, tiny: bool, generator) -> dict:
 
 
 MODELS = {
-    "llama": ZooModel(_llama, 8, _llama_batch, "a sequence of 1024 tokens"),
-    "t5": ZooModel(_t5, 32, _t5_batch, "512 tokens in, 128 out"),
+    "llama": ZooModel(_llama, 8, _llama_batch, "a sequence of 1024 tokens", "input_ids"),
+    "t5": ZooModel(_t5, 32, _t5_batch, "512 tokens in, 128 out", "input_ids"),
     "vit": ZooModel(_vit, 128, _vit_batch, "a 224x224 image"),
 }
 
@@ -109,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-layers", default=None, metavar="K|all",
                    help="checkpoint the first K layers (Hugging Face's own gradient checkpointing), or all")
     p.add_argument("--memory-limit", metavar="SIZE", help="cap PyTorch's allocator, e.g. 10GiB")
+    p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
+                   "(dynamic padding; llama and t5), at most the model's own length")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -120,7 +131,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
     if args.batch is not None and args.batch < 1:
         p.error(f"--batch must be at least 1; got {args.batch}")
+    if args.lengths is not None:
+        args.lengths = _lengths(p, args)
     return args
+
+
+def _lengths(p: argparse.ArgumentParser, args) -> tuple[int, int]:
+    zoo = MODELS[args.model]
+    if zoo.sequence_key is None:
+        p.error(f"--lengths applies to the sequence models "
+                f"({', '.join(n for n, m in MODELS.items() if m.sequence_key)}), not {args.model}")
+    full = zoo.make_batch(1, args.tiny, torch.Generator())[zoo.sequence_key].shape[1]
+    low, _, high = args.lengths.partition(":")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= full):
+        p.error(f"--lengths must be MIN:MAX with 1 <= MIN <= MAX <= {full} ({args.model}'s length); "
+                f"got {args.lengths!r}")
+    return int(low), int(high)
+
+
+def step_lengths(lengths: tuple[int, int], steps: int, seed: int) -> list[int]:
+    """Each step's length, drawn uniformly from lengths, rounded up to a multiple of PAD_TO (at most the largest)."""
+    low, high = lengths
+    generator = torch.Generator().manual_seed(seed + 1)
+    drawn = torch.randint(low, high + 1, (steps,), generator=generator).tolist()
+    return [min(-(-n // PAD_TO) * PAD_TO, high) for n in drawn]
 
 
 def checkpointed_layers(model: torch.nn.Module, first: str | None) -> int:
@@ -184,10 +218,15 @@ def train(args, device: torch.device) -> dict:
     batches = [{k: v.pin_memory() if device.type == "cuda" else v
                 for k, v in zoo.make_batch(batch_size, args.tiny, generator).items()} for _ in range(BATCHES)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    lengths = step_lengths(args.lengths, args.steps, args.seed) if args.lengths else None
     losses, seconds = [], []
     for step in range(args.steps):
         begun = time.perf_counter()
         inputs = {k: v.to(device, non_blocking=True) for k, v in batches[step % BATCHES].items()}
+        if lengths:
+            inputs[zoo.sequence_key] = inputs[zoo.sequence_key][:, :lengths[step]]
+            if args.model == "llama":  # its labels are its input
+                inputs["labels"] = inputs[zoo.sequence_key]
         with autocast:
             loss = model(**inputs).loss
         loss.backward()
@@ -195,10 +234,12 @@ def train(args, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # waits for the step, as a loop that logs its loss does
         seconds.append(time.perf_counter() - begun)
-    step_s = statistics.median(seconds[args.warmup:])
+    timed = seconds[args.warmup:]
+    step_s = statistics.fmean(timed) if lengths else statistics.median(timed)
     return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": batch_size, "checkpointed_layers": layers,
             "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps,
-            "step_s_median": step_s, "samples_per_s": batch_size / step_s, "losses": losses,
+            "step_s_median": statistics.median(timed), "step_s_mean": statistics.fmean(timed),
+            "samples_per_s": batch_size / step_s, "lengths": lengths, "losses": losses,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 

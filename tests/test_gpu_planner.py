@@ -31,6 +31,14 @@ def test_rebuilt_blocks_give_plain_trainings_losses(cuda_device):
     assert result["rebuildable_bytes"] > 0         # casts and GELU outputs found, and rebuilt equal
 
 
+def test_inputs_of_changing_length_borrow_plans_and_give_plain_trainings_losses(cuda_device):
+    result = _check("lengths")
+    assert result["planned"] == result["plain"]
+    assert result["safe_steps"] == 3                 # 128 twice, 160 once; the others borrow
+    assert [length for length, _ in result["borrowed"]] == [96, 64, 112, 144, 80]
+    assert all(counts.get("recompute_moved") == 6 for _, counts in result["borrowed"])  # not rebuilt
+
+
 def test_chunked_cross_entropy_is_pytorchs_bit_for_bit(cuda_device):
     result = _check("lean")
     for case, seen in result.items():

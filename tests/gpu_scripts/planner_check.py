@@ -4,6 +4,7 @@
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
+    python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -55,6 +56,24 @@ def equal(decisions=None) -> dict:
     return {**losses, "plan": planner.plan.counts(), "moved": planner.plan.moved_bytes,
             "lean_loss_calls": planner.to_dict()["lean_loss_calls"],
             "rebuildable_bytes": sum(u.rebuildable_bytes for u in planner.calibration.units)}
+
+
+def lengths() -> dict:
+    """A length per step, as dynamic padding gives them, every block rebuilt where the input has a
+    plan of its own: shorter inputs run 128's plan with rebuilds recomputed from copies in host
+    memory (recompute itself is not allowed), 144 runs 160's."""
+    plain, plain_opt = bert()
+    planned, planned_opt = bert()
+    planner = um_alloc.plan(planned, budget="2GiB", decisions=["rebuild"])
+    data = torch.Generator().manual_seed(1)
+    losses, borrowed = {"plain": [], "planned": []}, []
+    for i, length in enumerate([128, 128, 128, 96, 128, 64, 112, 160, 144, 160, 80, 128]):
+        ids = torch.randint(5, 1024, (16, length), generator=data).cuda()
+        losses["plain"].append(step(plain, plain_opt, ids, i))
+        losses["planned"].append(step(planned, planned_opt, ids, i))
+        if "last_step_ran_plan_of" in planner.to_dict()["inputs"]:
+            borrowed.append((length, planner.plan.counts()))
+    return {**losses, "safe_steps": planner.safe_steps, "inputs": planner.to_dict()["inputs"], "borrowed": borrowed}
 
 
 def rebuild() -> dict:
@@ -114,4 +133,5 @@ def lean() -> dict:
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
     um_alloc.install("best.yaml", budget="4GiB")
-    print(json.dumps({"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean}[sys.argv[1]]()))
+    print(json.dumps({"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean,
+                      "lengths": lengths}[sys.argv[1]]()))

@@ -7,13 +7,21 @@
         optimizer.step(); optimizer.zero_grad()
     print(planner.table())
 
-For each input shape, the first two training steps run in the safe mode (every block recomputed
+The first input shape's first two training steps run in the safe mode (every block recomputed
 with its inputs in host memory, every gap's activations in host memory) and measure; the third
 runs the plan. Where the plan rebuilds or moves, whose cost depends on the host more than one
 measured step shows, the best plans without them run four steps each after it, and the fastest
 measured stays (trials.py). A step that runs out of memory makes the planner keep less (its
 margin grows) and plan again; the loop decides whether to repeat the step (bert_example/train.py
 does).
+
+Inputs whose shape changes (dynamic padding, a last smaller batch): a new input that a planned one
+holds (the same tensors, dtypes and ranks, no dimension larger) runs that input's plan, with
+rebuilds recomputed (a rebuild's recipes are made for one shape), until it has come
+BORROWED_STEPS times; then, like an input no planned one holds, it is measured in one safe step
+of its own, without the probes of rebuilds and selective recomputation, which its plan then
+leaves out. The first input's calibration, too, ends after one step when the next step is of
+another input.
 
 Troubleshooting:
 - "no repeated blocks found": the model has no ModuleList/Sequential of two or more modules of one
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import statistics
 import weakref
 from dataclasses import dataclass, field, replace
@@ -57,6 +66,8 @@ REST = "(outside the units)"         # what the model's forward saves outside ev
 STRATEGIES = ("auto", "checkpoint")
 DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved")  # auto: this planner; checkpoint: every block recomputed
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
+BORROWED_STEPS = 16                  # steps an input runs a larger input's plan before it is measured itself
+PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOVED})  # need the first step's probes
 _KEEP_STARTS = 64                    # step start events kept for the measured step time
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKeyDictionary()
 
@@ -65,12 +76,17 @@ _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKe
 class _Shape:
     """What the planner knows of one input shape."""
     calibrated: int = 0
+    probed: bool = False                           # its first step ran the probes (rebuilds, selective ops)
     first: dict = field(default_factory=dict)      # unit -> figures only the first step measures
     recipes: dict = field(default_factory=dict)  # unit -> what its saves rebuild equal from (UnitRecipes)
     calibration: Calibration | None = None
     plan: Plan | None = None
     trials: PlanTrials | None = None               # the plan and its runners-up, tried in turn
     failures: int = 0                              # safe-mode steps that ran out of memory
+    lender: "_Shape | None" = None                 # the planned input whose plan this one runs
+    borrowed: int = 0                              # steps it ran another input's plan
+    lent: tuple | None = None                      # (its plan, that plan as inputs it holds run it)
+    signature: tuple = ()
 
 
 class BlockPlanner:
@@ -124,11 +140,13 @@ class BlockPlanner:
         self._reserved = STAGE_BYTES if self.device.type == "cuda" and is_installed() else 0
         self._link: float | None = None
         self._shapes: dict[tuple, _Shape] = {}
-        self._pending: tuple[_Shape, StepRecorder] | None = None
+        self._pending: tuple[_Shape, StepRecorder, bool] | None = None  # and whether it probes
         self._unkeyed: tuple[tuple, _Shape] | None = None  # a step's shape known only in part (begin_forward)
         self._last_shape: _Shape | None = None             # the input of the step begun last
         self._starts: list[tuple[Plan, object]] = []
         self._current: Plan | None = None
+        self._borrowing: _Shape | None = None              # the input of the step begun last, if it borrows
+        self.safe_steps = 0                                # steps run in the safe mode, to measure
         self._ooms = self._probe.out_of_memory_count()
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss)
@@ -138,14 +156,21 @@ class BlockPlanner:
     # -- the director: what each step does --
 
     def begin(self, signature: tuple, partial: bool = False) -> StepSpec:
-        self._close_calibration()
         shape = self._shape(signature, partial)
+        self._close_calibration(shape)
         if shape.failures >= 2:
             raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
                                  f"activations in host memory) ran out of memory {shape.failures} times for "
                                  f"input {_shape_text(signature)}; lower the batch or keep optimizer state in "
                                  "host memory (host_optimizer.yaml)", 0)
         follows, self._last_shape = self._last_shape is shape, shape
+        self._borrowing = None
+        lent = self._borrow(shape) if not partial else None
+        if lent is not None:
+            self._borrowing = shape
+            self._current = lent
+            self._note_start(lent)
+            return StepSpec(lent.decisions, owner=shape)
         if shape.plan is not None:
             if shape.trials is not None and not shape.trials.done:
                 # A step of another input in between is in this interval: it does not count.
@@ -155,18 +180,52 @@ class BlockPlanner:
             self._current = shape.plan
             self._note_start(shape.plan)
             return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.recipes)
-        first = shape.calibrated == 0
-        if first:
-            log.info("planner: measuring %d steps in the safe mode for input %s", CALIBRATION_STEPS,
+        # The probes of the first step (rebuilds, selective ops) slow it down; only the first input's
+        # plan waits for a clean second step. Another input is measured in one clean step.
+        probes = shape.calibrated == 0 and not any(s.calibration is not None for s in self._shapes.values())
+        if shape.calibrated == 0:
+            log.info("planner: measuring %s in the safe mode for input %s",
+                     f"{CALIBRATION_STEPS} steps" if probes else "one step",
                      "of the next step (this one's keyword arguments are not seen)" if partial
                      else _shape_text(signature))
+        shape.probed = shape.probed or probes
         recorder = StepRecorder(self.device, self._probe, len(self.units) + 1,
                                 ahead=self._runtime.transfers.ahead_low_water)
-        self._pending = (shape, recorder)
+        self._pending = (shape, recorder, probes)
+        self.safe_steps += 1
         if self.device.type == "cuda":
             self._runtime.transfers.time_copies()
         safe = tuple(SAFE[u.kind] for u in self.units) + (SAFE["gap"],)
-        return StepSpec(safe, recorder, count_ops=first, full_recompute=True, owner=shape)
+        return StepSpec(safe, recorder, count_ops=probes, full_recompute=True, owner=shape)
+
+    def _borrow(self, shape: _Shape) -> Plan | None:
+        """The plan this input runs, if it runs another's: that of the smallest planned input that
+        holds it (see the module docstring), rebuilds recomputed. None: it has or makes its own."""
+        if shape.plan is not None or shape.calibrated or self.strategy == "checkpoint":
+            return None
+        if shape.lender is None and shape.borrowed == 0:
+            holders = [s for s in self._shapes.values()
+                       if s.plan is not None and s.lender is None and _holds(s.signature, shape.signature)]
+            shape.lender = min(holders, key=lambda s: _elements(s.signature), default=None)
+            if shape.lender is not None:
+                log.info("planner: input %s runs the plan of input %s, which holds it, for up to %d steps",
+                         _shape_text(shape.signature), _shape_text(shape.lender.signature), BORROWED_STEPS)
+        if shape.lender is None:
+            return None
+        shape.borrowed += 1
+        if shape.borrowed > BORROWED_STEPS:  # it comes often: a plan of its own is worth a step's measuring
+            shape.lender = None
+            return None
+        return self._lent(shape.lender)
+
+    def _lent(self, lender: _Shape) -> Plan:
+        """The lender's plan as inputs it holds run it: a rebuild recomputes (its recipes hold for
+        the lender's shapes only, and a smaller input's kept saves may outweigh a larger one's rebuilt)."""
+        if lender.lent is None or lender.lent[0] is not lender.plan:
+            instead = Decision.RECOMPUTE if Decision.RECOMPUTE in self.allowed else SAFE["block"]
+            decisions = tuple(instead if d is Decision.REBUILD else d for d in lender.plan.decisions)
+            lender.lent = (lender.plan, evaluate(lender.calibration, decisions, self.budget, margin_bytes=self.margin))
+        return lender.lent[1]
 
     def _shape(self, signature: tuple, partial: bool) -> _Shape:
         """The record of this input. A step whose keyword arguments were not seen (`partial`:
@@ -175,11 +234,12 @@ class BlockPlanner:
         ``model(**batch)``, and its first step then calibrates as under the planner's own hooks."""
         unkeyed, self._unkeyed = self._unkeyed, None
         if partial:
-            self._unkeyed = (signature, _Shape())
+            self._unkeyed = (signature, _Shape(signature=signature))
             return self._unkeyed[1]
         if unkeyed is not None and signature not in self._shapes and signature[:len(unkeyed[0])] == unkeyed[0]:
+            unkeyed[1].signature = signature  # the object the pending calibration holds
             self._shapes[signature] = unkeyed[1]
-        return self._shapes.setdefault(signature, _Shape())
+        return self._shapes.setdefault(signature, _Shape(signature=signature))
 
     def end(self, step: Step, completed: bool) -> None:
         if completed:
@@ -195,11 +255,12 @@ class BlockPlanner:
             else:
                 self.on_out_of_memory()
 
-    def _close_calibration(self) -> None:
-        """The step measured last ended at this forward: its figures become a calibration."""
+    def _close_calibration(self, following: _Shape) -> None:
+        """The step measured last ended at this forward, of input `following`: its figures become
+        a calibration, planned unless a clean second step of the same input follows its probes."""
         if self._pending is None:
             return
-        shape, recorder = self._pending
+        shape, recorder, probed = self._pending
         self._pending = None
         recorder.mark("next forward")
         if self.device.type == "cuda":
@@ -215,32 +276,37 @@ class BlockPlanner:
         names = [(u.name, u.kind) for u in self.units] + [(REST, "gap")]
         cal = recorder.calibration(names, recorder.marks[-1].clock, link, self._reserved)
         shape.calibrated += 1
-        if shape.calibrated < CALIBRATION_STEPS:
+        if probed:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
             shape.recipes = recorder.recipes()
-            return
+            if following is shape:
+                return  # the clean step
+            if all(s is not shape for s in self._shapes.values()):
+                return  # a step whose input was never known (begin_forward's), nobody's plan
+            # The only step of its input for now: its recomputations ran the probes, slower than they are.
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
         self._plan_shape(shape)
 
     def _plan_shape(self, shape: _Shape) -> None:
         """The shape's plan from its calibration, and its runners-up to try (trials.py)."""
-        shape.plan, shape.trials = self._make(shape.calibration), None
+        allowed = self.allowed if shape.probed else self.allowed - PROBED
+        shape.plan, shape.trials = self._make(shape.calibration, allowed), None
         if self.strategy == "checkpoint":
             return
-        candidates = runners_up(shape.plan, functools.partial(self._make_or_none, shape.calibration), self.allowed)
+        candidates = runners_up(shape.plan, functools.partial(self._make_or_none, shape.calibration), allowed)
         if len(candidates) > 1:
             shape.trials = PlanTrials(candidates, self.device)
             log.info("planner: trying %d plans for %d steps each, the fastest stays: %s", len(candidates),
                      shape.trials.steps, "; ".join(p.table().splitlines()[-1] for p in candidates[1:]))
 
-    def _make(self, cal: Calibration) -> Plan:
+    def _make(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
         if self.strategy == "checkpoint":
             forced = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
             made = evaluate(cal, forced, self.budget, margin_bytes=self.margin)
         else:
             made = make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
-                             allowed=self.allowed)
+                             allowed=allowed)
         log.info("planner: %s", made.table().splitlines()[-1])
         return made
 
@@ -302,11 +368,20 @@ class BlockPlanner:
         if not self.plan:
             return "planner: no plan yet (the first steps measure)"
         trials = self._current_trials()
-        return self.plan.table() + (f"\n{trials.summary()}" if trials else "")
+        return self.plan.table() + (f"\n{trials.summary()}" if trials else "") + self._borrowed_line()
+
+    def _borrowed_line(self) -> str:
+        borrower = self._borrowing
+        if borrower is None or borrower.lender is None:
+            return ""
+        return (f"\ninput {_shape_text(borrower.signature)} runs the plan of input "
+                f"{_shape_text(borrower.lender.signature)}, which holds it (the figures above are that input's; a "
+                "rebuild recomputes)")
 
     def to_dict(self) -> dict:
         out = {"strategy": self.strategy, "budget_bytes": self.budget, "margin_bytes": self.margin,
-               "units": len(self.units), "blocks": sum(u.kind == "block" for u in self.units)}
+               "units": len(self.units), "blocks": sum(u.kind == "block" for u in self.units),
+               "safe_steps": self.safe_steps, "inputs": self._inputs()}
         if self._runtime.lean_loss is not None:
             out["lean_loss_calls"] = self._runtime.lean_loss.calls
         if self.plan:
@@ -319,6 +394,16 @@ class BlockPlanner:
             out["calibration"] = calibration_to_dict(calibration)
         return out
 
+    def _inputs(self) -> dict:
+        """How many input shapes have a plan of their own, run another's, or are being measured."""
+        shapes = list(self._shapes.values())
+        own = sum(s.plan is not None for s in shapes)
+        borrowing = sum(s.plan is None and s.lender is not None for s in shapes)
+        out = {"planned": own, "borrowing": borrowing, "measuring": len(shapes) - own - borrowing}
+        if self._borrowing is not None and self._borrowing.lender is not None:
+            out["last_step_ran_plan_of"] = _shape_text(self._borrowing.lender.signature)
+        return out
+
     @property
     def calibration(self) -> Calibration | None:
         """What the plan of the input shape seen last was made from: plan it again at another budget
@@ -327,7 +412,10 @@ class BlockPlanner:
         return shape.calibration if shape else None
 
     def _current_shape(self) -> _Shape | None:
-        return next((s for s in self._shapes.values() if s.plan is not None and s.plan is self._current), None)
+        """The input whose plan (or whose plan as another input borrows it) ran last."""
+        current = self._current
+        return next((s for s in self._shapes.values() if s.plan is not None
+                     and (s.plan is current or (s.lent is not None and s.lent[1] is current))), None)
 
     def _current_trials(self) -> PlanTrials | None:
         shape = self._current_shape()
@@ -429,6 +517,17 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _holds(larger: tuple, smaller: tuple) -> bool:
+    """Whether input `larger` holds `smaller`: the same tensors, dtypes and ranks, no dimension smaller."""
+    return larger != smaller and len(larger) == len(smaller) and all(
+        dtype == other_dtype and len(shape) == len(other) and all(a >= b for a, b in zip(shape, other))
+        for (shape, dtype), (other, other_dtype) in zip(larger, smaller))
+
+
+def _elements(signature: tuple) -> int:
+    return sum(math.prod(shape) for shape, _ in signature)
 
 
 def _shape_text(signature: tuple) -> str:

@@ -1,0 +1,144 @@
+"""Inputs whose shape changes from step to step (dynamic padding, a last smaller batch): which
+input runs whose plan, how many steps measure, and that every step trains as plain autograd does."""
+import copy
+
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, Decision
+from um_alloc.planner import director as director_module
+from um_alloc.planner.director import BORROWED_STEPS, PROBED, _holds
+from test_planner_replay import tiny_bert
+
+LONG = torch.float64
+
+
+def signature(*shapes, dtype=torch.int64):
+    return tuple((shape, dtype) for shape in shapes)
+
+
+def step(model, ids):
+    """One training step's loss and gradients, with a fixed seed (dropout masks alike)."""
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def batches(lengths, batch=4, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (batch, length), generator=generator) for length in lengths]
+
+
+def test_holds_wants_the_same_tensors_dtypes_and_ranks_and_no_smaller_dimension():
+    assert _holds(signature((4, 16), (4, 16)), signature((4, 12), (4, 12)))
+    assert _holds(signature((4, 16)), signature((3, 16)))
+    assert not _holds(signature((4, 16)), signature((4, 16)))                    # the same input
+    assert not _holds(signature((4, 16)), signature((8, 12)))                    # a larger batch
+    assert not _holds(signature((4, 16)), signature((4, 12), (4, 12)))           # another tensor
+    assert not _holds(signature((4, 16)), signature((4, 12), dtype=torch.int32))  # another dtype
+    assert not _holds(signature((4, 16, 1)), signature((4, 16)))                 # another rank
+
+
+def test_a_smaller_input_runs_the_plan_of_the_smallest_planned_input_that_holds_it():
+    model = tiny_bert(dropout=0.0)
+    planner = BlockPlanner(model, "1GiB")
+    for ids in batches([16, 16, 16]):  # two steps measure, the third runs the plan
+        step(model, ids)
+    assert planner.safe_steps == 2
+    for ids in batches([12]):
+        step(model, ids)
+    assert planner.safe_steps == 2  # no step measured: it ran 4x16's plan
+    assert "input 4x12, 4x12 runs the plan of input 4x16, 4x16" in planner.table()
+    assert planner.to_dict()["inputs"] == {"planned": 1, "borrowing": 1, "measuring": 0,
+                                           "last_step_ran_plan_of": "4x16, 4x16"}
+    for ids in batches([20, 20]):  # held by no planned input: one step measures, the next runs its plan
+        step(model, ids)
+    assert planner.safe_steps == 3
+    assert "runs the plan" not in planner.table()
+    for ids in batches([10, 18]):
+        step(model, ids)
+        assert "runs the plan of input 4x16, 4x16" in planner.table() if ids.shape[1] == 10 else \
+            "runs the plan of input 4x20, 4x20" in planner.table()
+    assert planner.safe_steps == 3
+    assert planner.to_dict()["inputs"]["planned"] == 2
+    planner.remove()
+
+
+def test_every_step_trains_as_plain_autograd_whichever_plan_it_runs():
+    """Lengths as dynamic padding gives them, the lender's plan forced to rebuild every block: the
+    inputs it holds recompute them (a recipe is made for one shape), all with plain autograd's
+    losses and gradients bit for bit in float64, dropout included."""
+    model = tiny_bert(dropout=0.1)
+    plain = copy.deepcopy(model)
+    planner = BlockPlanner(model, "1GiB")
+    lengths = [16, 16, 16, 12, 16, 9, 14, 16, 20, 11, 20, 17]
+    for index, ids in enumerate(batches(lengths)):
+        if index == 3:
+            planner.force("rebuild")
+        loss, grads = step(model, ids)
+        plain_loss, plain_grads = step(plain, ids)
+        assert torch.equal(loss, plain_loss), f"step {index}, length {ids.shape[1]}"
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)), f"step {index}"
+        if ids.shape[1] in (12, 9, 14):  # held by 4x16
+            blocks = [d for d, u in zip(planner.plan.decisions, planner.calibration.units) if u.kind == "block"]
+            assert blocks and set(blocks) == {Decision.RECOMPUTE}
+    assert planner.safe_steps == 3  # 4x16 twice, 4x20 once
+    planner.remove()
+
+
+def test_an_input_that_keeps_coming_is_measured_for_a_plan_of_its_own(monkeypatch):
+    """After BORROWED_STEPS steps on a larger input's plan, one step measures it, without the
+    probes; its plan may then neither rebuild nor recompute selectively (what those probes find)."""
+    allowed_seen = []
+    make_plan = director_module.make_plan
+    monkeypatch.setattr(director_module, "make_plan", lambda *a, **k: allowed_seen.append(k["allowed"]) or make_plan(*a, **k))
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB", decisions=[d.value for d in Decision])
+    for ids in batches([16, 16, 16] + [12] * (BORROWED_STEPS + 2)):
+        step(model, ids)
+    assert planner.safe_steps == 3
+    assert planner.to_dict()["inputs"] == {"planned": 2, "borrowing": 0, "measuring": 0}
+    assert "runs the plan" not in planner.table()
+    own = [a for a in allowed_seen if not PROBED & a]
+    assert own and all(a == frozenset(Decision) - PROBED for a in own)  # 4x12's plan and its runners-up
+    assert frozenset(Decision) in allowed_seen                           # 4x16's, probed
+    planner.remove()
+
+
+def test_the_first_inputs_calibration_ends_after_one_step_when_another_input_follows():
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    for ids in batches([16, 12, 12]):
+        step(model, ids)
+    assert planner.safe_steps == 1
+    assert planner.to_dict()["inputs"]["planned"] == 1
+    assert "input 4x12, 4x12 runs the plan of input 4x16, 4x16" in planner.table()
+    planner.remove()
+
+
+def test_inputs_that_hold_none_of_each_other_are_each_measured_once():
+    """A larger batch of shorter sequences and a smaller batch of longer ones, alternating: one
+    measuring step each, then each its own plan."""
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    generator = torch.Generator().manual_seed(7)
+    for index in range(6):
+        shape = (8, 8) if index % 2 else (2, 16)
+        step(model, torch.randint(0, 97, shape, generator=generator))
+    assert planner.safe_steps == 2
+    assert planner.to_dict()["inputs"] == {"planned": 2, "borrowing": 0, "measuring": 0}
+    planner.remove()
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint"])
+def test_the_checkpoint_strategy_measures_each_input(strategy):
+    """The ablation recomputes every block anyway: no input borrows (its own plan is the same)."""
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB", strategy=strategy)
+    for ids in batches([16, 16, 16, 12, 12]):
+        step(model, ids)
+    assert planner.to_dict()["inputs"] == {"planned": 2, "borrowing": 0, "measuring": 0}
+    assert planner.safe_steps == 3
+    planner.remove()
