@@ -60,8 +60,8 @@ def equal(decisions=None) -> dict:
 
 def lengths() -> dict:
     """A length per step, as dynamic padding gives them, every block rebuilt where the input has a
-    plan of its own: shorter inputs run 128's plan with rebuilds recomputed from copies in host
-    memory (recompute itself is not allowed), 144 runs 160's."""
+    plan of its own: shorter inputs run 128's best plan without rebuilds, which with nothing else
+    allowed is the safe mode's (recomputed from copies in host memory), 144 runs 160's."""
     plain, plain_opt = bert()
     planned, planned_opt = bert()
     planner = um_alloc.plan(planned, budget="2GiB", decisions=["rebuild"])

@@ -16,8 +16,8 @@ margin grows) and plan again; the loop decides whether to repeat the step (bert_
 does).
 
 Inputs whose shape changes (dynamic padding, a last smaller batch): a new input that a planned one
-holds (the same tensors, dtypes and ranks, no dimension larger) runs that input's plan, with
-rebuilds recomputed (a rebuild's recipes are made for one shape), until it has come
+holds (the same tensors, dtypes and ranks, no dimension larger) runs that input's plan, or its
+best plan without rebuilds (a rebuild's recipes are made for one shape), until it has come
 BORROWED_STEPS times; then, like an input no planned one holds, it is measured in one safe step
 of its own, without the probes of rebuilds and selective recomputation, which its plan then
 leaves out. The first input's calibration, too, ends after one step when the next step is of
@@ -78,6 +78,7 @@ class _Shape:
     calibrated: int = 0
     probed: bool = False                           # its first step ran the probes (rebuilds, selective ops)
     first: dict = field(default_factory=dict)      # unit -> figures only the first step measures
+    probed_inputs: list = field(default_factory=list)  # the shapes the units' calls took in that step
     recipes: dict = field(default_factory=dict)  # unit -> what its saves rebuild equal from (UnitRecipes)
     calibration: Calibration | None = None
     plan: Plan | None = None
@@ -200,7 +201,7 @@ class BlockPlanner:
 
     def _borrow(self, shape: _Shape) -> Plan | None:
         """The plan this input runs, if it runs another's: that of the smallest planned input that
-        holds it (see the module docstring), rebuilds recomputed. None: it has or makes its own."""
+        holds it (see the module docstring; _lent). None: it has or makes its own."""
         if shape.plan is not None or shape.calibrated or self.strategy == "checkpoint":
             return None
         if shape.lender is None and shape.borrowed == 0:
@@ -219,13 +220,22 @@ class BlockPlanner:
         return self._lent(shape.lender)
 
     def _lent(self, lender: _Shape) -> Plan:
-        """The lender's plan as inputs it holds run it: a rebuild recomputes (its recipes hold for
-        the lender's shapes only, and a smaller input's kept saves may outweigh a larger one's rebuilt)."""
+        """The lender's plan as inputs it holds run it: its own where it rebuilds nothing, else its
+        best plan without rebuilds (a rebuild's recipes hold for the lender's shapes only, and a
+        smaller input's kept saves may outweigh a larger one's rebuilt)."""
         if lender.lent is None or lender.lent[0] is not lender.plan:
-            instead = Decision.RECOMPUTE if Decision.RECOMPUTE in self.allowed else SAFE["block"]
-            decisions = tuple(instead if d is Decision.REBUILD else d for d in lender.plan.decisions)
-            lender.lent = (lender.plan, evaluate(lender.calibration, decisions, self.budget, margin_bytes=self.margin))
+            plan = lender.plan
+            if Decision.REBUILD in plan.decisions:
+                plan = make_plan(lender.calibration, self.budget, margin_bytes=self.margin,
+                                 hide_fraction=self.hide_fraction, allowed=self._allowed(lender) - {Decision.REBUILD})
+            else:  # an object of its own: measured_step_s times the steps of one plan object
+                plan = evaluate(lender.calibration, plan.decisions, self.budget, margin_bytes=self.margin)
+            lender.lent = (lender.plan, plan)
         return lender.lent[1]
+
+    def _allowed(self, shape: _Shape) -> frozenset[Decision]:
+        """What its plan may use: what the figures of its steps support."""
+        return self.allowed if shape.probed else self.allowed - PROBED
 
     def _shape(self, signature: tuple, partial: bool) -> _Shape:
         """The record of this input. A step whose keyword arguments were not seen (`partial`:
@@ -279,18 +289,25 @@ class BlockPlanner:
         if probed:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
             shape.recipes = recorder.recipes()
+            shape.probed_inputs = _input_shapes(recorder)
             if following is shape:
                 return  # the clean step
             if all(s is not shape for s in self._shapes.values()):
                 return  # a step whose input was never known (begin_forward's), nobody's plan
             # The only step of its input for now: its recomputations ran the probes, slower than they are.
+        elif shape.first and shape.probed_inputs != _input_shapes(recorder):
+            # The probes ran on another input (a step begun by begin_forward, counted for this
+            # one's): their figures and recipes are not this input's.
+            log.info("planner: the probed step's input was not %s; its plan neither rebuilds nor recomputes "
+                     "selectively", _shape_text(shape.signature))
+            shape.first, shape.recipes, shape.probed = {}, {}, False
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
         self._plan_shape(shape)
 
     def _plan_shape(self, shape: _Shape) -> None:
         """The shape's plan from its calibration, and its runners-up to try (trials.py)."""
-        allowed = self.allowed if shape.probed else self.allowed - PROBED
+        allowed = self._allowed(shape)
         shape.plan, shape.trials = self._make(shape.calibration, allowed), None
         if self.strategy == "checkpoint":
             return
@@ -375,8 +392,8 @@ class BlockPlanner:
         if borrower is None or borrower.lender is None:
             return ""
         return (f"\ninput {_shape_text(borrower.signature)} runs the plan of input "
-                f"{_shape_text(borrower.lender.signature)}, which holds it (the figures above are that input's; a "
-                "rebuild recomputes)")
+                f"{_shape_text(borrower.lender.signature)}, which holds it (the figures above are that input's; "
+                "no rebuilds)")
 
     def to_dict(self) -> dict:
         out = {"strategy": self.strategy, "budget_bytes": self.budget, "margin_bytes": self.margin,
@@ -456,6 +473,11 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
 # and the bytes of everything else come from the second.
 _FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s",
                        "rebuild_forward_cpu_s")
+
+
+def _input_shapes(recorder: StepRecorder) -> list:
+    """The shapes of every recomputed call's tensor inputs, unit by unit: in the safe mode, every block's."""
+    return [u.input_shapes for u in recorder.units]
 
 
 def _with_first_step(cal: Calibration, first: dict) -> Calibration:

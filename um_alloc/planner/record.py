@@ -96,6 +96,7 @@ class _UnitSeen:
     rebuilt_bytes: int = 0    # live bytes a recompute added: what the unit saves when kept
     moved_bytes: int = 0      # saved bytes it sent to host memory in forward (a moved unit)
     input_bytes: int = 0
+    input_shapes: list = field(default_factory=list)  # per recomputed call: its tensor inputs' shapes
     selective_bytes: int = 0
     matmul_s: float = 0.0
     rebuilt: RebuildProbe | None = None  # what its recomputations found backward could rebuild

@@ -326,6 +326,8 @@ class Runtime:
         with early:
             out = checkpoint(run, self._anchor, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
         inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
+        if step.spec.recorder:
+            step.spec.recorder.units[index].input_shapes.append(tuple(t.shape for t, _ in inputs.watched))
         if decision.moves_inputs:
             inputs.forget([p.tensor for p in parked])  # the rerun reads their copies, taken now
             moved = sum(p.move_out(self.transfers) for p in parked)
