@@ -69,7 +69,7 @@ def zoo_run(name: str, model: str, args, *extra: str, launch: tuple[str, ...] = 
     if args.batch:
         train_args += ["--batch", str(args.batch)]
     if args.lengths:
-        train_args += ["--lengths", args.lengths]
+        train_args += ["--lengths", args.lengths, "--pad-to", str(args.pad_to)]
     return Run(name, f"bench/zoo_train.py {' '.join(train_args)}", train_args, script=ZOO_TRAIN, launch=launch)
 
 
@@ -134,6 +134,7 @@ def record(summary: dict | None, status: str, note: str, *, method: str, model: 
                peak_bytes=(summary or {}).get("peak_bytes"),
                # --lengths: each step's sequence length, and the mean step that samples/s is made of
                lengths=(summary or {}).get("lengths"), step_s_mean=(summary or {}).get("step_s_mean"),
+               step_seconds=(summary or {}).get("step_seconds"),  # the first run's, every step
                samples_per_s_runs=(summary or {}).get("samples_per_s_runs"), **fields)
     return out
 
@@ -242,6 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs of each timed method, alternated (see above)")
     p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
                    "(bench/zoo_train.py --lengths; llama and t5): samples/s is then the mean after --warmup")
+    p.add_argument("--pad-to", type=int, default=8, help="--lengths: each rounded up to a multiple of this")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")
@@ -260,6 +262,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fractions must be numbers between 0 and 1, comma-separated; got {args.fractions!r}")
     if not all(0 < f < 1 for f in args.fractions):
         p.error(f"--fractions must lie between 0 and 1 (budgets below stock's peak); got {args.fractions}")
+    if args.pad_to < 1:
+        p.error(f"--pad-to must be at least 1; got {args.pad_to}")
     refuse_bad_counts(p, args)
     return args
 

@@ -13,8 +13,8 @@ Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M). --tiny builds
 each for tests (on the CPU with --cpu).
 
 --lengths MIN:MAX (the sequence models) gives each step a sequence length drawn from MIN to MAX,
-rounded up to a multiple of 8, as a data collator padding each batch to its longest sequence
-(pad_to_multiple_of=8) does; samples/s is then the mean over the steps after --warmup, not the
+rounded up to a multiple of --pad-to (default 8), as a data collator padding each batch to its
+longest sequence (pad_to_multiple_of) does; samples/s is then the mean over the steps after --warmup, not the
 median, since what a new length costs is the point.
 
 No key-value cache: training needs none. --checkpoint-layers K checkpoints the first K of the model's layers in module order (Hugging
@@ -39,7 +39,7 @@ EXIT_OOM = 3  # as bert_example/train.py, which bench/harness.py reads
 BATCHES = 4   # distinct batches, used in turn
 
 
-PAD_TO = 8    # --lengths: a length is rounded up to a multiple of this
+PAD_TO = 8    # --lengths: a length is rounded up to a multiple of this (--pad-to)
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-limit", metavar="SIZE", help="cap PyTorch's allocator, e.g. 10GiB")
     p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
                    "(dynamic padding; llama and t5), at most the model's own length")
+    p.add_argument("--pad-to", type=int, default=PAD_TO, help=f"--lengths: round each length up to a multiple of "
+                   f"this (default {PAD_TO})")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -131,6 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
     if args.batch is not None and args.batch < 1:
         p.error(f"--batch must be at least 1; got {args.batch}")
+    if args.pad_to < 1:
+        p.error(f"--pad-to must be at least 1; got {args.pad_to}")
     if args.lengths is not None:
         args.lengths = _lengths(p, args)
     return args
@@ -149,12 +153,12 @@ def _lengths(p: argparse.ArgumentParser, args) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def step_lengths(lengths: tuple[int, int], steps: int, seed: int) -> list[int]:
-    """Each step's length, drawn uniformly from lengths, rounded up to a multiple of PAD_TO (at most the largest)."""
+def step_lengths(lengths: tuple[int, int], steps: int, seed: int, pad_to: int = PAD_TO) -> list[int]:
+    """Each step's length, drawn uniformly from lengths, rounded up to a multiple of pad_to (at most the largest)."""
     low, high = lengths
     generator = torch.Generator().manual_seed(seed + 1)
     drawn = torch.randint(low, high + 1, (steps,), generator=generator).tolist()
-    return [min(-(-n // PAD_TO) * PAD_TO, high) for n in drawn]
+    return [min(-(-n // pad_to) * pad_to, high) for n in drawn]
 
 
 def checkpointed_layers(model: torch.nn.Module, first: str | None) -> int:
@@ -218,7 +222,7 @@ def train(args, device: torch.device) -> dict:
     batches = [{k: v.pin_memory() if device.type == "cuda" else v
                 for k, v in zoo.make_batch(batch_size, args.tiny, generator).items()} for _ in range(BATCHES)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    lengths = step_lengths(args.lengths, args.steps, args.seed) if args.lengths else None
+    lengths = step_lengths(args.lengths, args.steps, args.seed, args.pad_to) if args.lengths else None
     losses, seconds = [], []
     for step in range(args.steps):
         begun = time.perf_counter()
@@ -239,7 +243,7 @@ def train(args, device: torch.device) -> dict:
     return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": batch_size, "checkpointed_layers": layers,
             "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps,
             "step_s_median": statistics.median(timed), "step_s_mean": statistics.fmean(timed),
-            "samples_per_s": batch_size / step_s, "lengths": lengths, "losses": losses,
+            "samples_per_s": batch_size / step_s, "lengths": lengths, "step_seconds": seconds, "losses": losses,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
