@@ -2,28 +2,15 @@
 input runs whose plan, how many steps measure, and that every step trains as plain autograd does."""
 import copy
 
-import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner, Decision
 from um_alloc.planner import director as director_module
 from um_alloc.planner.director import BORROWED_STEPS, PROBED, _holds
-from test_planner_replay import tiny_bert
-
-LONG = torch.float64
-
+from test_planner_replay import gradients as step, tiny_bert
 
 def signature(*shapes, dtype=torch.int64):
     return tuple((shape, dtype) for shape in shapes)
-
-
-def step(model, ids):
-    """One training step's loss and gradients, with a fixed seed (dropout masks alike)."""
-    torch.manual_seed(1)
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def batches(lengths, batch=4, seed=5):
@@ -164,11 +151,10 @@ def test_inputs_that_hold_none_of_each_other_are_each_measured_once():
     planner.remove()
 
 
-@pytest.mark.parametrize("strategy", ["checkpoint"])
-def test_the_checkpoint_strategy_measures_each_input(strategy):
+def test_the_checkpoint_strategy_measures_each_input():
     """The ablation recomputes every block anyway: no input borrows (its own plan is the same)."""
     model = tiny_bert(dropout=0.0).float()
-    planner = BlockPlanner(model, "1GiB", strategy=strategy)
+    planner = BlockPlanner(model, "1GiB", strategy="checkpoint")
     for ids in batches([16, 16, 16, 12, 12]):
         step(model, ids)
     assert planner.to_dict()["inputs"] == {"planned": 2, "borrowing": 0, "measuring": 0}

@@ -113,6 +113,10 @@ class BlockPlanner:
             (a Hugging Face model's loss) in row chunks, bit for bit PyTorch's result with 2 GB less
             at BERT-Large's peaks (um_alloc.planner.lean_loss); default True.
 
+    Attributes:
+        safe_steps: steps run in the safe mode to measure an input (``to_dict()["inputs"]`` says
+            how many inputs have a plan of their own, run another's, or are being measured).
+
     Raises:
         ValueError: a bad argument, no budget, or no blocks in the model (before any GPU work).
     """
