@@ -34,6 +34,7 @@ def test_a_smaller_input_runs_the_plan_of_the_smallest_planned_input_that_holds_
     for ids in batches([16, 16, 16]):  # two steps measure, the third runs the plan
         step(model, ids)
     assert planner.safe_steps == 2
+    assert "first saw" not in planner.table()  # planned from the second step
     for ids in batches([12]):
         step(model, ids)
     assert planner.safe_steps == 2  # no step measured: it ran 4x16's plan
@@ -44,6 +45,7 @@ def test_a_smaller_input_runs_the_plan_of_the_smallest_planned_input_that_holds_
         step(model, ids)
     assert planner.safe_steps == 3
     assert "runs the plan" not in planner.table()
+    assert "measured in the step that first saw this input" in planner.table()
     for ids in batches([10, 18]):
         step(model, ids)
         assert "runs the plan of input 4x16, 4x16" in planner.table() if ids.shape[1] == 10 else \
@@ -102,6 +104,7 @@ def test_a_probed_step_of_another_input_gives_no_rebuilds(monkeypatch):
         step(model, long)
     planner = attached[0]
     assert planner.safe_steps == 2
+    assert "measured in the step that first saw this input" in planner.table()  # 4x16's first step
     assert allowed_seen and all(not PROBED & a for a in allowed_seen)
     assert planner.plan is not None
     planner.remove()
@@ -120,6 +123,7 @@ def test_an_input_that_keeps_coming_is_measured_for_a_plan_of_its_own(monkeypatc
     assert planner.safe_steps == 3
     assert planner.to_dict()["inputs"] == {"planned": 2, "borrowing": 0, "measuring": 0}
     assert "runs the plan" not in planner.table()
+    assert "first saw" not in planner.table()  # measured after 16 steps of 4x16's plan
     own = [a for a in allowed_seen if not PROBED & a]
     assert own and all(a == frozenset(Decision) - PROBED for a in own)  # 4x12's plan and its runners-up
     assert frozenset(Decision) in allowed_seen                           # 4x16's, probed
@@ -134,6 +138,7 @@ def test_the_first_inputs_calibration_ends_after_one_step_when_another_input_fol
     assert planner.safe_steps == 1
     assert planner.to_dict()["inputs"]["planned"] == 1
     assert "input 4x12, 4x12 runs the plan of input 4x16, 4x16" in planner.table()
+    assert "measured in the step that first saw this input" in planner.table()
     planner.remove()
 
 

@@ -88,6 +88,8 @@ class _Shape:
     borrowed: int = 0                              # steps it ran another input's plan
     lent: tuple | None = None                      # (its plan, that plan as inputs it holds run it)
     signature: tuple = ()
+    seen: int = 0                                  # steps begun with this input
+    first_sighting: bool = False                   # its calibration is of the step that first saw it
 
 
 class BlockPlanner:
@@ -169,6 +171,7 @@ class BlockPlanner:
                                  f"input {_shape_text(signature)}; lower the batch or keep optimizer state in "
                                  "host memory (host_optimizer.yaml)", 0)
         follows, self._last_shape = self._last_shape is shape, shape
+        shape.seen += 1
         self._borrowing = None
         lent = self._borrow(shape) if not partial else None
         if lent is not None:
@@ -197,6 +200,7 @@ class BlockPlanner:
         recorder = StepRecorder(self.device, self._probe, len(self.units) + 1,
                                 ahead=self._runtime.transfers.ahead_low_water)
         self._pending = (shape, recorder, probes)
+        shape.first_sighting = shape.seen == 1
         self.safe_steps += 1
         if self.device.type == "cuda":
             self._runtime.transfers.time_copies()
@@ -305,6 +309,7 @@ class BlockPlanner:
             log.info("planner: the probed step's input was not %s; its plan neither rebuilds nor recomputes "
                      "selectively", _shape_text(shape.signature))
             shape.first, shape.recipes, shape.probed = {}, {}, False
+            shape.first_sighting = True  # the probed step was another input's: this one was new
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
         self._plan_shape(shape)
@@ -389,7 +394,10 @@ class BlockPlanner:
         if not self.plan:
             return "planner: no plan yet (the first steps measure)"
         trials = self._current_trials()
-        return self.plan.table() + (f"\n{trials.summary()}" if trials else "") + self._borrowed_line()
+        shape = self._current_shape()
+        sighting = ("\nmeasured in the step that first saw this input: its one-time work (memory from the driver, "
+                    "pinned buffers) is in the predicted step") if shape is not None and shape.first_sighting else ""
+        return self.plan.table() + (f"\n{trials.summary()}" if trials else "") + sighting + self._borrowed_line()
 
     def _borrowed_line(self) -> str:
         borrower = self._borrowing
