@@ -93,14 +93,15 @@ def launched_run(name: str, model: str, args, *extra: str, budget: int | None = 
 
 def pooled(runs: list[tuple]) -> tuple:
     """Several runs of one method as one (run_train's result, plus the launcher's report where
-    launched): the first run that ended well, with the median samples/s of those that did and
+    launched): the first run that ended well, with the median samples/s of those that did, the
+    median of their median steps (with --lengths, samples/s is made of the mean step instead) and
     the highest high-water; the first run's result as it is where none did."""
     good = [run for run in runs if run[0] is not None]
     if not good:
         return runs[0]
     rates = [run[0]["samples_per_s"] for run in good]
     summary = {**good[0][0], "samples_per_s": statistics.median(rates),
-               "step_s_median": good[0][0]["batch"] / statistics.median(rates),
+               "step_s_median": statistics.median(run[0]["step_s_median"] for run in good),
                "samples_per_s_runs": [None if run[0] is None else run[0]["samples_per_s"] for run in runs]}
     highwater = [run[0]["device_used_delta_bytes"] for run in good if run[0].get("device_used_delta_bytes") is not None]
     summary["device_used_delta_bytes"] = max(highwater) if highwater else None

@@ -122,6 +122,31 @@ def test_one_model_is_compared_at_each_budget_with_the_fastest_checkpointing_tha
     assert stand_in.runs.count("stock") == 1
 
 
+def test_lengths_reach_every_run_and_its_record(monkeypatch):
+    stand_in = StandIn()
+    seen = []
+
+    def run_train(run, timeout):
+        seen.append(run.train_args)
+        summary, status, note = stand_in(run, timeout)
+        if summary is not None:
+            summary = {**summary, "lengths": [512, 1024], "step_s_mean": 0.2, "step_seconds": [0.3, 0.1]}
+        return summary, status, note
+
+    monkeypatch.setattr(bench_zoo, "run_train", run_train)
+    args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6", "--repeats", "1",
+                                 "--lengths", "256:1024", "--pad-to", "64"])
+    records = bench_zoo.compare_model("llama", args, "zoo-test")
+    assert seen and all(a[a.index("--lengths"):a.index("--lengths") + 4] == ["--lengths", "256:1024", "--pad-to", "64"]
+                        for a in seen)
+    assert all(r["lengths"] == [512, 1024] and r["step_s_mean"] == 0.2 for r in records if r["status"] == "ok")
+
+
+def test_bad_pad_to_is_refused():
+    with pytest.raises(SystemExit):
+        bench_zoo.parse_args(["--models", "llama", "--pad-to", "0"])
+
+
 def test_a_budget_that_no_checkpointing_fits_is_recorded_not_searched(monkeypatch):
     stand_in = StandIn()
     monkeypatch.setattr(bench_zoo, "run_train", stand_in)
