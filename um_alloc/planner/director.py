@@ -232,12 +232,10 @@ class BlockPlanner:
         best plan without rebuilds (a rebuild's recipes hold for the lender's shapes only, and a
         smaller input's kept saves may outweigh a larger one's rebuilt)."""
         if lender.lent is None or lender.lent[0] is not lender.plan:
-            plan = lender.plan
-            if Decision.REBUILD in plan.decisions:
-                plan = make_plan(lender.calibration, self.budget, margin_bytes=self.margin,
-                                 hide_fraction=self.hide_fraction, allowed=self._allowed(lender) - {Decision.REBUILD})
+            if Decision.REBUILD in lender.plan.decisions:  # fits: the lender's own plan did, safe choices kept
+                plan = self._best(lender.calibration, self._allowed(lender) - {Decision.REBUILD})
             else:  # an object of its own: measured_step_s times the steps of one plan object
-                plan = evaluate(lender.calibration, plan.decisions, self.budget, margin_bytes=self.margin)
+                plan = replace(lender.plan)
             lender.lent = (lender.plan, plan)
         return lender.lent[1]
 
@@ -331,17 +329,20 @@ class BlockPlanner:
             forced = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
             made = evaluate(cal, forced, self.budget, margin_bytes=self.margin)
         else:
-            made = make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
-                             allowed=allowed)
+            made = self._best(cal, allowed)
         log.info("planner: %s", made.table().splitlines()[-1])
         return made
 
     def _make_or_none(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan | None:
         try:
-            return make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
-                             allowed=allowed)
+            return self._best(cal, allowed)
         except PlanInfeasible:
             return None
+
+    def _best(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
+        """The fastest plan of `allowed` within the budget, less the margin (make_plan)."""
+        return make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
+                         allowed=allowed)
 
     def on_out_of_memory(self) -> None:
         """A planned step ran out of memory: keep less from now on (a larger margin), plan again."""
