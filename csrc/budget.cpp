@@ -36,6 +36,11 @@ void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
     stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes_total);
     if (!c.gpu_backed) {
       c.gpu_backed = true;
+      a->backed += n;
+      if (a->taken_runs) {
+        device_live_.held += n;
+        device_live_.held_peak = std::max(device_live_.held_peak, device_live_.held);
+      }
       stats_.backed_bytes += n;
       stats_.peak_backed_bytes = std::max(stats_.peak_backed_bytes, stats_.backed_bytes);
       device_live_.backed_peak = std::max(device_live_.backed_peak, stats_.backed_bytes);
@@ -44,6 +49,19 @@ void ChunkPool::set_residency(Arena* a, size_t i, Residency r) {
     resident_bucket(c) -= n;
     stats_.resident_bytes_total -= n;
   }
+}
+
+// An arena's first taken run makes its backed chunks held (DeviceLive::held); its last one's
+// return lets them go.
+void ChunkPool::take_arena_run(Arena* a) {
+  if (a->taken_runs++ == 0) {
+    device_live_.held += a->backed;
+    device_live_.held_peak = std::max(device_live_.held_peak, device_live_.held);
+  }
+}
+
+void ChunkPool::give_arena_run(Arena* a) {
+  if (--a->taken_runs == 0) device_live_.held -= a->backed;
 }
 
 // Changes what holds a chunk; a resident chunk's bytes move to the new holder's bucket.

@@ -143,7 +143,16 @@ void um_pool_device_backed(um_pool* pool, uint64_t* backed, uint64_t* peak) {
   *peak = now.backed_peak;
 }
 
+void um_pool_device_held(um_pool* pool, uint64_t* held, uint64_t* peak) {
+  const um::DeviceLive now = pool->pool->device_live();
+  *held = now.held;
+  *peak = now.held_peak;
+}
+
 void um_pool_reset_device_peak(um_pool* pool) { pool->pool->reset_device_peak(); }
+
+void um_pool_set_step_arenas(um_pool* pool, int on) { pool->pool->set_step_arenas(on != 0); }
+int um_pool_step_arenas(um_pool* pool) { return pool->pool->step_arenas() ? 1 : 0; }
 
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy) {
   if (!um::valid_tag(tag)) return invalid(um::bad_tag_message(tag));

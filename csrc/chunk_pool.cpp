@@ -51,9 +51,11 @@ ChunkPool::ChunkPool(std::unique_ptr<MemoryBackend> backend, PoolConfig config)
 
 ChunkPool::~ChunkPool() {
   // Every block is in a free set or live_, and every small chunk holds at least one of them.
-  std::set<Block*> blocks(free_runs_.begin(), free_runs_.end());
+  std::set<Block*> blocks;
+  for (auto& set : free_runs_) blocks.insert(set.begin(), set.end());
   for (auto& [ptr, b] : live_) blocks.insert(b);
-  for (auto& set : free_small_) blocks.insert(set.begin(), set.end());
+  for (auto& sets : free_small_)
+    for (auto& set : sets) blocks.insert(set.begin(), set.end());
   std::set<Block*> containers;
   for (Block* b : blocks)
     if (b->container) containers.insert(b->container);
@@ -67,8 +69,9 @@ ChunkPool::~ChunkPool() {
 void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err) {
   std::lock_guard<std::mutex> lock(mu_);
   if (bytes == 0) bytes = 1;  // a distinct address per request, as cudaMalloc callers expect
-  void* p = bytes <= config_.chunk_size / 2 ? allocate_small(bytes, stream, tag, err)
-                                            : allocate_large(bytes, stream, tag, err);
+  const ArenaUse arenas = arenas_now();  // read once: another thread may switch it meanwhile
+  void* p = bytes <= config_.chunk_size / 2 ? allocate_small(bytes, stream, tag, arenas, err)
+                                            : allocate_large(bytes, stream, tag, arenas, err);
   if (!p && err->kind == UM_ERR_OOM) {
     ++stats_.num_ooms;
     err->message = oom_message(bytes, tag, err->over_budget);
@@ -76,8 +79,8 @@ void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err)
   return p;
 }
 
-void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, AllocError* err) {
-  Block* b = take_chunk_run(round_up(bytes, config_.chunk_size), stream, tag, ChunkUse::large, err);
+void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err) {
+  Block* b = take_chunk_run(round_up(bytes, config_.chunk_size), stream, tag, ChunkUse::large, arenas, err);
   if (!b) return nullptr;
   b->requested = bytes;
   live_.emplace(b->ptr, b);
@@ -85,9 +88,9 @@ void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, AllocError
   return b->ptr;
 }
 
-void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError* err) {
+void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err) {
   const size_t rounded = round_up(bytes, kSmallAlignment);
-  FreeSet& free_set = free_small_[static_cast<int>(tag)];
+  FreeSet& free_set = free_small_of(arenas, tag);
   Block* b = find_fit(free_set, rounded);
   if (b) {
     free_set.erase(b);
@@ -95,7 +98,7 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError
     Arena* a = b->arena;
     a->chunks[chunk_index(a, b->ptr, config_.chunk_size)].last_use = ++tick_;
   } else {
-    Block* chunk = take_chunk_run(config_.chunk_size, stream, tag, ChunkUse::small, err);
+    Block* chunk = take_chunk_run(config_.chunk_size, stream, tag, ChunkUse::small, arenas, err);
     if (!chunk) return nullptr;
     chunk->is_container = true;
     stats_.held_bytes[static_cast<int>(tag)] += chunk->size;
@@ -116,11 +119,12 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, AllocError
 // A run of whole chunks for `tag`, ordered after its previous users and carrying the tag's hints.
 // A host-mapped tag's chunks live in host memory (the GPU reads and writes them over the link),
 // so they never count against the budget; every other run is made room for first.
-Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err) {
-  Block* b = find_run(rounded, tag, stream);
-  if (!b) b = grow(rounded);
+Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, ArenaUse arenas,
+                                 AllocError* err) {
+  Block* b = find_run(rounded, tag, stream, arenas);
+  if (!b) b = grow(rounded, arenas);
   // Cached arenas may hold the cap while no free run fits: return them and try once more.
-  if (!b && release_free_arenas() > 0) b = grow(rounded);
+  if (!b && release_free_arenas() > 0) b = grow(rounded, arenas);
   if (!b) {
     err->kind = UM_ERR_OOM;  // allocate() writes the message, with the size the caller asked for
     return nullptr;
@@ -132,8 +136,9 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
     err->over_budget = true;
     return nullptr;
   }
-  free_runs_.erase(b);
-  split(b, rounded, free_runs_);
+  free_runs_of(b->arena).erase(b);
+  split(b, rounded, free_runs_of(b->arena));
+  take_arena_run(b->arena);  // before mark_resident: the chunks it backs are held
   order_for_reuse(b, stream);
   b->allocated = true;
   b->tag = tag;
@@ -154,8 +159,9 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
 // one up to twice the request: the kernel that takes it then need not wait for, say, the copy of
 // an offloaded activation (PyTorch's caching allocator, too, reuses only blocks whose events are
 // done). Twice at most, so that waiting is preferred to cutting up large runs.
-Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream) {
-  Block* best = find_fit(free_runs_, rounded);
+Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream, ArenaUse use) {
+  FreeSet& runs = free_runs_[static_cast<int>(use)];
+  Block* best = find_fit(runs, rounded);
   if (!best) return nullptr;
   const bool placed = budget_.budget && budget_.enabled;
   const bool for_host = host_mapped(tag), backing = hard_budget();
@@ -173,7 +179,7 @@ Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream) {
   constexpr int kLookahead = 64;  // bounds the hot path; free runs are few in steady state
   Block* busy = nullptr;          // the first in place, still in use on a side stream
   int looked = 0;
-  for (auto it = free_runs_.find(best); it != free_runs_.end() && looked < kLookahead; ++it, ++looked) {
+  for (auto it = runs.find(best); it != runs.end() && looked < kLookahead; ++it, ++looked) {
     Block* run = *it;
     if (busy && run->size > 2 * rounded) break;
     if (placed && !in_place(run)) continue;
@@ -183,9 +189,47 @@ Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream) {
   if (busy) return busy;  // its reuse waits on the GPU for the side stream, never on the host
   // Host data in GPU-backed chunks would hold budget it never uses: new address space instead.
   if (placed && for_host && backing) {
-    if (Block* fresh = grow(rounded)) return fresh;
+    if (Block* fresh = grow(rounded, use)) return fresh;
   }
+  // GPU data under a hard budget, with no run backed for all of it: where it needs least new backing.
+  if (placed && backing) return fewest_unbacked(runs, best, rounded);
   return best;
+}
+
+// The stretch of `rounded` bytes, in any free run at any chunk offset, with the fewest chunks the
+// GPU has not backed yet: the request then backs as little new GPU memory as the free runs allow.
+// Best fit alone would take the smallest run that fits, even unbacked, while backed chunks sit
+// free in runs of other sizes (ResNet-50 at batch 616 under 8 GiB: a 943 MiB request with 2.5 GiB
+// free and backed, none of it where best fit looked). Only reached when no run is wholly backed.
+Block* ChunkPool::fewest_unbacked(FreeSet& runs, Block* best, size_t rounded) {
+  const size_t n = rounded / config_.chunk_size;
+  Block* chosen = nullptr;
+  size_t chosen_offset = 0, fewest = SIZE_MAX;
+  for (auto it = runs.find(best); it != runs.end(); ++it) {  // every run from the best fit up
+    Block* run = *it;
+    const auto [first, end] = chunk_range(run);
+    const std::vector<ChunkState>& chunks = run->arena->chunks;
+    size_t unbacked = 0;
+    for (size_t i = first; i < first + n; ++i) unbacked += !chunks[i].gpu_backed;
+    for (size_t start = first;; ++start) {  // the window [start, start + n) slides over the run
+      if (unbacked < fewest) fewest = unbacked, chosen = run, chosen_offset = (start - first) * config_.chunk_size;
+      if (fewest == 0 || start + n == end) break;
+      unbacked += !chunks[start + n].gpu_backed;
+      unbacked -= !chunks[start].gpu_backed;
+    }
+    if (fewest == 0) break;
+  }
+  return chosen && chosen_offset ? carve(chosen, chosen_offset) : chosen;
+}
+
+// Splits free run `run` at `offset`: its first `offset` bytes stay a free run, and the rest, also
+// free and in the same set, is returned.
+Block* ChunkPool::carve(Block* run, size_t offset) {
+  FreeSet& set = free_runs_of(run->arena);
+  set.erase(run);
+  split(run, offset, set);
+  set.insert(run);
+  return run->next;
 }
 
 Block* ChunkPool::find_fit(FreeSet& set, size_t size) {
@@ -194,9 +238,16 @@ Block* ChunkPool::find_fit(FreeSet& set, size_t size) {
   return it == set.end() ? nullptr : *it;
 }
 
-// A new arena, inserted into free_runs_ as one free run; nullptr if the cap or the backend refuses.
-Block* ChunkPool::grow(size_t rounded) {
-  size_t size = std::max(config_.arena_size, rounded);
+// A new arena for `use`, inserted into its free runs as one; nullptr if the cap or the backend refuses.
+// Under a hard budget a step arena spans the whole budget: one address range, in which a large
+// request can take any stretch of free backed chunks (fewest_unbacked), where arenas of 1 GiB
+// would each hold a few live blocks and leave no stretch of 943 MiB (ResNet-50 at batch 616)
+// backed in any of them. It costs address space only: the budget bounds what the GPU backs.
+Block* ChunkPool::grow(size_t rounded, ArenaUse use) {
+  const size_t arena_size = use == ArenaUse::step && hard_budget()
+                                ? round_up(std::max<size_t>(budget_.budget, config_.arena_size), config_.chunk_size)
+                                : config_.arena_size;
+  size_t size = std::max(arena_size, rounded);
   if (stats_.reserved_bytes + size > config_.max_reserved) size = rounded;  // a smaller one may fit
   if (stats_.reserved_bytes + size > config_.max_reserved) return nullptr;
   void* base = backend_->reserve(size);
@@ -205,13 +256,13 @@ Block* ChunkPool::grow(size_t rounded) {
     return nullptr;
   }
   auto arena = std::make_unique<Arena>(
-      Arena{static_cast<char*>(base), size, std::vector<ChunkState>(size / config_.chunk_size)});
+      Arena{static_cast<char*>(base), size, std::vector<ChunkState>(size / config_.chunk_size), use});
   Block* b = new Block(arena->base, size, arena.get());
   arenas_.push_back(std::move(arena));
   stats_.reserved_bytes += size;
   ++stats_.arena_reserves;
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
-  free_runs_.insert(b);
+  free_runs_of(b->arena).insert(b);
   return b;
 }
 
@@ -348,16 +399,17 @@ bool ChunkPool::deallocate(void* ptr) noexcept {
 }
 
 void ChunkPool::release_chunk_run(Block* b) {
+  give_arena_run(b->arena);
   mark_free(b);
   b->allocated = false;
   b->is_container = false;
-  merge_into_free(b, free_runs_);
+  merge_into_free(b, free_runs_of(b->arena));
 }
 
 // A small block goes back to its chunk; a chunk left wholly free goes back to the chunk runs,
 // where any size can use it.
 void ChunkPool::release_small(Block* b) {
-  FreeSet& set = free_small_[static_cast<int>(b->container->tag)];
+  FreeSet& set = free_small_of(b->container->arena->use, b->container->tag);
   b = merge_into_free(b, set);
   if (b->prev || b->next) return;
   set.erase(b);
@@ -399,11 +451,12 @@ size_t ChunkPool::empty_cache() {
 // makes this safe while other streams may still be finishing work on that memory.
 size_t ChunkPool::release_free_arenas(const Arena* keep) {
   std::vector<Block*> whole;
-  for (Block* b : free_runs_)
-    if (!b->prev && !b->next && b->arena != keep) whole.push_back(b);
+  for (FreeSet& runs : free_runs_)
+    for (Block* b : runs)
+      if (!b->prev && !b->next && b->arena != keep) whole.push_back(b);
   size_t released = 0;
   for (Block* b : whole) {
-    free_runs_.erase(b);
+    free_runs_of(b->arena).erase(b);
     Arena* a = b->arena;
     for (size_t i = 0; i < a->chunks.size(); ++i) {  // gone, and the driver's GPU memory with it
       set_residency(a, i, Residency::untouched);
@@ -549,6 +602,7 @@ void ChunkPool::reset_device_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   device_live_.peak = device_live_.live;
   device_live_.backed_peak = stats_.backed_bytes;
+  device_live_.held_peak = device_live_.held;
 }
 
 um_stats ChunkPool::stats() const {
@@ -561,8 +615,15 @@ um_stats ChunkPool::stats() const {
   s.internal_waste_bytes = held - s.live_bytes_total;
   s.internal_waste_bound_bytes = (s.large_blocks + s.small_chunks) * config_.chunk_size;
   s.fragmentation_bytes = s.reserved_bytes - s.live_bytes_total;
-  s.largest_free_run_bytes = free_runs_.empty() ? 0 : (*free_runs_.rbegin())->size;
+  s.largest_free_run_bytes = largest_free_run();
   return s;
+}
+
+size_t ChunkPool::largest_free_run() const {
+  size_t largest = 0;
+  for (const FreeSet& runs : free_runs_)
+    if (!runs.empty()) largest = std::max(largest, (*runs.rbegin())->size);
+  return largest;
 }
 
 std::string ChunkPool::oom_message(size_t bytes, Tag tag, bool over_budget) const {
@@ -579,7 +640,7 @@ std::string ChunkPool::oom_message(size_t bytes, Tag tag, bool over_budget) cons
   for (int t = 0; t < kNumTags; ++t)
     if (stats_.live_bytes[t]) m += std::string(" ") + tag_name(Tag(t)) + " " + format_bytes(stats_.live_bytes[t]);
   m += "; largest free run " +
-       format_bytes(free_runs_.empty() ? 0 : (*free_runs_.rbegin())->size) + ".";
+       format_bytes(largest_free_run()) + ".";
   if (!backend_error_.empty()) m += " Last device error: " + backend_error_ + ".";
   m += over_budget ? " Lower the batch size, use micro-batches, raise the budget, or keep a tag in host "
                      "memory (preferred_location: cpu, accessed_by: [gpu])."

@@ -12,6 +12,7 @@
 // waits for the work that used the block, not for all the work those streams were given since.
 #pragma once
 #include <array>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,10 +57,22 @@ struct BudgetConfig {
   bool evict_live = true;
 };
 
+// What an arena holds: data that outlasts a training step (parameters, optimizer state, what is
+// allocated between steps) or one step's own (what its forward and backward allocate, while
+// set_step_arenas is on). Kept apart, a step's arenas are wholly free between steps, so a hard
+// budget can give their GPU memory back (empty_cache) instead of being held by a few lasting
+// tensors scattered through them.
+enum class ArenaUse : uint8_t { lasting, step };
+constexpr int kArenaUses = 2;
+
 struct Arena {
   char* base;
   size_t size;
   std::vector<ChunkState> chunks;
+  ArenaUse use = ArenaUse::lasting;
+  uint64_t backed = 0;     // bytes of its chunks the GPU has backed
+  uint32_t taken_runs = 0;  // chunk runs handed out (large blocks, small chunks): while any, its
+                            // backing cannot be given back
 };
 
 // A stream that may still touch a block. `freed`: the point that stream had reached when the
@@ -106,6 +119,9 @@ struct DeviceLive {
   uint64_t live = 0, peak = 0;
   // GPU-backed bytes (what a hard budget counts: live or not) and their peak, over the same span.
   uint64_t backed = 0, backed_peak = 0;
+  // Backed bytes of arenas holding a taken run: what a hard budget cannot get back by returning
+  // wholly free arenas. Beyond live bytes, this is the fragmentation a layout really costs.
+  uint64_t held = 0, held_peak = 0;
 };
 
 struct AllocError {
@@ -144,15 +160,26 @@ class ChunkPool {
   void set_tag_policy(Tag tag, const TagPolicy& policy);
   void set_budget(const BudgetConfig& budget);
   BudgetConfig budget() const;
+  // On: runs taken from here on come from step arenas (see ArenaUse); off: from lasting ones.
+  void set_step_arenas(bool on) { step_arenas_.store(on, std::memory_order_relaxed); }
+  bool step_arenas() const { return step_arenas_.load(std::memory_order_relaxed); }
   std::string backend_error() const;
 
  private:
-  void* allocate_large(size_t bytes, Stream stream, Tag tag, AllocError* err);
-  void* allocate_small(size_t bytes, Stream stream, Tag tag, AllocError* err);
-  Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, AllocError* err);
-  Block* grow(size_t rounded);
+  void* allocate_large(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err);
+  void* allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err);
+  Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, ArenaUse arenas, AllocError* err);
+  Block* grow(size_t rounded, ArenaUse use);
   Block* find_fit(FreeSet& set, size_t size);
-  Block* find_run(size_t rounded, Tag tag, Stream stream);
+  Block* find_run(size_t rounded, Tag tag, Stream stream, ArenaUse use);
+  Block* fewest_unbacked(FreeSet& runs, Block* best, size_t rounded);
+  Block* carve(Block* run, size_t offset);
+  void take_arena_run(Arena* a);
+  void give_arena_run(Arena* a);
+  ArenaUse arenas_now() const { return step_arenas() ? ArenaUse::step : ArenaUse::lasting; }
+  FreeSet& free_runs_of(const Arena* a) { return free_runs_[static_cast<int>(a->use)]; }
+  FreeSet& free_small_of(ArenaUse use, Tag tag) { return free_small_[static_cast<int>(use)][static_cast<int>(tag)]; }
+  size_t largest_free_run() const;
   bool idle_for(Block* b, Stream stream);
   void split(Block* b, size_t size, FreeSet& set);
   Block* merge_into_free(Block* b, FreeSet& set);
@@ -195,8 +222,9 @@ class ChunkPool {
   PoolConfig config_;
   std::array<TagPolicy, kNumTags> policies_{};
   std::vector<std::unique_ptr<Arena>> arenas_;
-  FreeSet free_runs_;                          // free chunk runs, any arena
-  std::array<FreeSet, kNumTags> free_small_;   // free space inside each tag's small chunks
+  std::array<FreeSet, kArenaUses> free_runs_;  // free chunk runs, by the use of their arena
+  std::array<std::array<FreeSet, kNumTags>, kArenaUses> free_small_;  // inside each tag's small chunks
+  std::atomic<bool> step_arenas_{false};
   std::map<char*, Block*> live_;               // allocations handed out, by address
   um_stats stats_{};
   DeviceLive device_live_{};

@@ -83,7 +83,15 @@ void um_pool_device_live(um_pool* pool, uint64_t* live, uint64_t* peak);
 void um_pool_reset_device_peak(um_pool* pool);
 /* GPU-backed bytes (live or free: what a hard budget counts) and their peak since the same reset. */
 void um_pool_device_backed(um_pool* pool, uint64_t* backed, uint64_t* peak);
+/* Of those, the bytes in arenas that hold a live allocation, which returning wholly free arenas
+ * cannot give back, and their peak since the same reset. */
+void um_pool_device_held(um_pool* pool, uint64_t* held, uint64_t* peak);
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
+/* on=1: chunk runs taken from now on come from the pool's step arenas, apart from those of data
+ * that outlasts a training step (on=0, the default), so that between steps the step arenas are
+ * wholly free and um_pool_empty_cache returns them with their GPU memory. */
+void um_pool_set_step_arenas(um_pool* pool, int on);
+int um_pool_step_arenas(um_pool* pool);
 const char* um_pool_backend_error(um_pool* pool);
 
 /* The GPU residency budget (0: none) and the smallest allocation it may swap; enabled=0 pauses

@@ -39,6 +39,14 @@ def test_inputs_of_changing_length_borrow_plans_and_give_plain_trainings_losses(
     assert all(counts.get("recompute_moved") == 6 for _, counts in result["borrowed"])  # not rebuilt
 
 
+def test_between_steps_the_step_arenas_are_wholly_free(cuda_device):
+    result = _check("arenas")
+    assert result["open_between"] == [False] * 5      # closed at each backward's end
+    assert result["released"] >= 4 << 30              # the step arena, the size of the 4 GiB budget
+    assert result["state_kept"]                       # optimizer state lives in the lasting arenas
+    assert len(result["losses"]) == 6 and all(math.isfinite(x) for x in result["losses"])
+
+
 def test_chunked_cross_entropy_is_pytorchs_bit_for_bit(cuda_device):
     result = _check("lean")
     for case, seen in result.items():

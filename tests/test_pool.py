@@ -608,3 +608,101 @@ def test_device_backed_counts_free_chunks_and_its_peak_starts_over(make_pool):
     assert pool.device_live() == (0, 0)
     backed, peak = pool.device_backed()
     assert backed == peak == pool.raw_stats()["backed_bytes"] > 0  # free, still backed
+
+
+# ---- step arenas --------------------------------------------------------------------------------
+
+def test_what_a_step_allocates_comes_from_arenas_of_its_own(make_pool):
+    pool = make_pool(arena=16 * MiB)
+    lasting = pool.malloc(4 * MiB)  # a parameter, say: its arena has room for the step's data
+    pool.set_step_arenas(True)
+    assert pool.step_arenas()
+    step, small = pool.malloc(4 * MiB), pool.malloc(1024)
+    assert pool.raw_stats()["arena_count"] == 2  # a step arena, holding both
+    pool.set_step_arenas(False)
+    state = pool.malloc(4 * MiB)  # optimizer state made after the step: back among the lasting
+    assert pool.raw_stats()["arena_count"] == 2
+    pool.free(step)
+    assert pool.empty_cache() == 0  # the small block still holds the step arena
+    pool.free(small)
+    assert pool.empty_cache() == 16 * MiB and pool.raw_stats()["arena_count"] == 1
+    assert pool.block_at(lasting) is not None and pool.block_at(state) is not None
+
+
+def test_between_steps_the_step_arenas_are_wholly_free_and_give_their_backing_back(make_pool):
+    """The point of step arenas under a hard budget: a few lasting tensors made during training
+    (optimizer state at the first step) no longer hold arenas the step's data backed."""
+    pool = make_pool(arena=16 * MiB)
+    pool.set_budget(64 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.malloc(2 * MiB)  # parameters
+    pool.set_step_arenas(True)
+    activations = [pool.malloc(6 * MiB) for _ in range(4)]  # forward and backward: one arena, the budget's size
+    pool.set_step_arenas(False)
+    state = [pool.malloc(2 * MiB) for _ in range(3)]  # the first optimizer step
+    for p in activations:
+        pool.free(p)
+    backed = pool.raw_stats()["backed_bytes"]
+    assert backed == 2 * MiB + 24 * MiB + 6 * MiB
+    released = pool.empty_cache()
+    s = pool.raw_stats()
+    assert released == 64 * MiB and s["backed_bytes"] == 2 * MiB + 6 * MiB
+    assert all(pool.block_at(p) is not None for p in state)
+
+
+def test_small_blocks_of_a_step_never_share_a_chunk_with_lasting_ones(make_pool):
+    pool = make_pool(arena=16 * MiB)
+    lasting = pool.malloc(1024)
+    pool.set_step_arenas(True)
+    step = pool.malloc(1024)
+    pool.set_step_arenas(False)
+    assert pool.raw_stats()["arena_count"] == 2  # not in the lasting chunk's free space
+    pool.free(step)
+    assert pool.empty_cache() == 16 * MiB  # the step's small chunk went back to its arena, and that
+    assert pool.block_at(lasting) is not None  # arena to the driver
+
+
+def test_under_a_hard_budget_a_request_goes_where_it_backs_the_least_new_memory(make_pool):
+    """No free run is backed for all of a 4 MiB request: best fit would take the smallest run that
+    fits, wholly unbacked; the pool takes the backed end of a larger run instead."""
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=16 * MiB)
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.set_budget(64 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    host = pool.malloc(4 * MiB, tag="optimizer_state")  # chunks 0-1, never backed
+    gpu, keep = pool.malloc(4 * MiB), pool.malloc(2 * MiB)  # chunks 2-3 and 4, backed
+    pool.free(host)
+    pool.free(gpu)  # free runs: chunks 0-3 (0-1 unbacked, 2-3 backed) and 5-7 (unbacked, the best fit)
+    backed = pool.raw_stats()["backed_bytes"]
+    assert backed == 6 * MiB
+    again = pool.malloc(4 * MiB)
+    assert again == gpu and pool.raw_stats()["backed_bytes"] == backed
+    assert pool.malloc(2 * MiB) == host  # what was cut off in front is still a free run
+
+
+def test_held_counts_the_backed_bytes_of_arenas_a_live_allocation_holds(make_pool):
+    pool = make_pool(arena=16 * MiB)
+    pool.set_budget(64 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.reset_device_peak()
+    a, b = pool.malloc(4 * MiB), pool.malloc(1024)
+    assert pool.device_held() == (6 * MiB, 6 * MiB)  # a's chunks and b's small chunk
+    pool.free(a)
+    assert pool.device_held()[0] == 6 * MiB  # free, backed, and held by b: no cudaFree returns it
+    pool.free(b)
+    assert pool.device_held() == (0, 6 * MiB)  # the arena is wholly free: returning it frees all
+    assert pool.device_backed()[0] == 6 * MiB
+    pool.reset_device_peak()
+    assert pool.device_held() == (0, 0)
+
+
+def test_under_a_hard_budget_a_step_arena_spans_the_budget(make_pool):
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(15 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_step_arenas(True)
+    first = pool.malloc(2 * MiB)
+    second = pool.malloc(10 * MiB)  # in the same arena: the budget, rounded up to whole chunks
+    s = pool.raw_stats()
+    assert (s["arena_count"], s["reserved_bytes"]) == (1, 16 * MiB) and second - first == 2 * MiB
+    pool.set_step_arenas(False)
+    pool.malloc(2 * MiB)  # lasting data: arenas of the pool's size
+    assert pool.raw_stats()["reserved_bytes"] == 20 * MiB

@@ -164,9 +164,27 @@ class ChunkPool:
         self._lib.um_pool_device_backed(self._handle, ctypes.byref(backed), ctypes.byref(peak))
         return backed.value, peak.value
 
+    def device_held(self) -> tuple[int, int]:
+        """(held, peak): of the GPU-backed bytes, those in arenas holding a live allocation, which
+        a hard budget cannot get back by returning wholly free arenas, and their peak since
+        reset_device_peak(). Beyond live bytes, the fragmentation the present layout costs."""
+        held, peak = ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.um_pool_device_held(self._handle, ctypes.byref(held), ctypes.byref(peak))
+        return held.value, peak.value
+
     def reset_device_peak(self) -> None:
-        """Starts device_live()'s and device_backed()'s peaks over from the bytes now."""
+        """Starts device_live()'s, device_backed()'s and device_held()'s peaks over from the bytes now."""
         self._lib.um_pool_reset_device_peak(self._handle)
+
+    def set_step_arenas(self, on: bool) -> None:
+        """On: what is allocated from now on comes from the pool's step arenas, apart from data
+        that outlasts a training step (parameters, optimizer state: allocated while it is off).
+        Between steps the step arenas are then wholly free, and empty_cache() returns them with
+        the GPU memory the driver backs them with, which a hard budget counts until then."""
+        self._lib.um_pool_set_step_arenas(self._handle, int(on))
+
+    def step_arenas(self) -> bool:
+        return bool(self._lib.um_pool_step_arenas(self._handle))
 
     def set_budget(self, budget: int, min_swap_size: int = 1 << 20, enabled: bool = True,
                    evict_live: bool = False) -> None:

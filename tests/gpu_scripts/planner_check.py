@@ -5,6 +5,7 @@
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
     python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
+    python tests/gpu_scripts/planner_check.py arenas  # between steps the step arenas are wholly free
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -107,6 +108,29 @@ def oom() -> dict:
     return {"losses": losses, "retried": retried, "margin_before": margin, "margin_after": planner.margin}
 
 
+def arenas() -> dict:
+    """Between planned steps nothing holds the step arenas: returning them gives back one arena
+    the size of the pool's budget, and training goes on with the optimizer state intact."""
+    from um_alloc.pool import ChunkPool
+
+    model, optimizer = bert()
+    um_alloc.plan(model, budget="2GiB")
+    pool = ChunkPool.for_device(torch.cuda.current_device())
+    data = torch.Generator().manual_seed(1)
+    batches = [torch.randint(5, 1024, (16, 128), generator=data).cuda() for _ in range(6)]
+    losses, open_between = [], []
+    for i, ids in enumerate(batches[:5]):
+        losses.append(step(model, optimizer, ids, i))
+        open_between.append(pool.step_arenas())
+    torch.cuda.synchronize()
+    state = [v.clone() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    released = pool.empty_cache()
+    kept = all(torch.equal(a, b) for a, b in zip(state, [v for s in optimizer.state.values() for v in s.values()
+                                                            if torch.is_tensor(v)]))
+    losses.append(step(model, optimizer, batches[5], 5))
+    return {"losses": losses, "open_between": open_between, "released": released, "state_kept": kept}
+
+
 def lean() -> dict:
     import torch.nn.functional as F
 
@@ -134,4 +158,4 @@ if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
     um_alloc.install("best.yaml", budget="4GiB")
     print(json.dumps({"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean,
-                      "lengths": lengths}[sys.argv[1]]()))
+                      "lengths": lengths, "arenas": arenas}[sys.argv[1]]()))

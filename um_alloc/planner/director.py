@@ -154,6 +154,8 @@ class BlockPlanner:
         self._current: Plan | None = None
         self._borrowing: _Shape | None = None              # the input of the step begun last, if it borrows
         self.safe_steps = 0                                # steps run in the safe mode, to measure
+        self._last_safe = False                            # whether the step begun last was a safe one
+        self._after_oom = False                            # a step ran out of memory since
         self._ooms = self._probe.out_of_memory_count()
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss)
@@ -175,6 +177,7 @@ class BlockPlanner:
         self._borrowing = None
         lent = self._borrow(shape) if not partial else None
         if lent is not None:
+            self._new_layout(safe=False)
             self._borrowing = shape
             self._current = lent
             self._note_start(lent)
@@ -185,6 +188,7 @@ class BlockPlanner:
                 shape.plan = shape.trials.begin_step(follows)
                 if shape.trials.done:
                     log.info("planner: %s", shape.trials.summary())
+            self._new_layout(safe=False)
             self._current = shape.plan
             self._note_start(shape.plan)
             return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.recipes)
@@ -197,6 +201,7 @@ class BlockPlanner:
                      "of the next step (this one's keyword arguments are not seen)" if partial
                      else _shape_text(signature))
         shape.probed = shape.probed or probes
+        self._new_layout(safe=True)  # before the recorder: its step's backed memory is measured from here
         recorder = StepRecorder(self.device, self._probe, len(self.units) + 1,
                                 ahead=self._runtime.transfers.ahead_low_water)
         self._pending = (shape, recorder, probes)
@@ -206,6 +211,17 @@ class BlockPlanner:
             self._runtime.transfers.time_copies()
         safe = tuple(SAFE[u.kind] for u in self.units) + (SAFE["gap"],)
         return StepSpec(safe, recorder, count_ops=probes, full_recompute=True, owner=shape)
+
+    def _new_layout(self, safe: bool) -> None:
+        """Where a step lays its activations out anew (a safe step, the first planned step after
+        one, any step after one that ran out of memory), the step arenas the last layout left
+        backed are given back first (arenas.py): its free chunks, scattered where the new layout
+        wants other sizes, would otherwise hold budget that the new layout's requests cannot use."""
+        if safe or self._last_safe or self._after_oom:
+            released = self._runtime.arenas.release()
+            if released:
+                log.info("planner: %s of free arenas given back for a new layout", format_size(released))
+        self._last_safe, self._after_oom = safe, False
 
     def _borrow(self, shape: _Shape) -> Plan | None:
         """The plan this input runs, if it runs another's: that of the smallest planned input that
@@ -264,6 +280,7 @@ class BlockPlanner:
         ooms = self._probe.out_of_memory_count()
         if step.oom or ooms > self._ooms:
             self._ooms = ooms
+            self._after_oom = True
             if step.spec.recorder is not None:  # the safe mode itself did not fit
                 step.spec.owner.failures += 1
                 log.warning("planner: a step in the safe mode ran out of memory (%d of 2 tries)",

@@ -31,19 +31,21 @@ class MemoryProbe:
     def __init__(self, device: torch.device):
         self.device = device
         self._pool = ChunkPool.for_device(device.index) if device.type == "cuda" and is_installed() else None
-        self._backed_start = self._backed_peak = 0   # the pool's GPU-backed bytes, this step
+        self._backed_start = 0                       # the pool's GPU-backed bytes as the step began
+        self._held_peak = 0                          # and the peak of those it held, this step
 
     def begin_step(self) -> None:
         """A measured step begins: what the pool holds backed from here on is this step's."""
         if self._pool is not None:
             self._pool.reset_device_peak()
-            self._backed_start, self._backed_peak = self._pool.device_backed()
+            self._backed_start = self._pool.device_backed()[0]
+            self._held_peak = self._pool.device_held()[1]
 
     def look(self) -> tuple[int, int]:
         """(live now, peak since the previous look); the peak starts over."""
         if self._pool is not None:
             live, peak = self._pool.device_live()
-            self._backed_peak = max(self._backed_peak, self._pool.device_backed()[1])
+            self._held_peak = max(self._held_peak, self._pool.device_held()[1])
             self._pool.reset_device_peak()
             return live, peak
         if self.device.type == "cuda":
@@ -54,12 +56,14 @@ class MemoryProbe:
 
     def held_beyond_live(self, live_peak: int) -> int:
         """What the allocator held on the GPU beyond live bytes, at most: chunks the pool backs
-        but does not fill, or the caching allocator's cached blocks. The pool's are this step's:
-        its backed peak beyond the live peak, or beyond what it held backed when the step began,
-        which the step's allocations reuse (after a larger batch ran out of memory, the pool may
-        hold more backed than the next, smaller one ever fills)."""
+        but does not fill, or the caching allocator's cached blocks. The pool's are this step's,
+        and only those in arenas a live allocation holds (ChunkPool.device_held): a wholly free
+        arena's backing is returned when the budget needs it. Its peak beyond the live peak, or
+        beyond what the pool had backed when the step began, which the step's allocations reuse
+        (after a larger batch ran out of memory, the pool may hold more than the next, smaller one
+        fills; the planner gives such arenas back before a step it measures, arenas.py)."""
         if self._pool is not None:
-            return max(self._backed_peak - max(live_peak, self._backed_start), 0)
+            return max(self._held_peak - max(live_peak, self._backed_start), 0)
         if self.device.type == "cuda":
             return max(torch.cuda.max_memory_reserved(self.device) - live_peak, 0)
         return 0

@@ -26,8 +26,8 @@ turns it back on.
 
 A step begins at the root module's forward with gradients enabled and ends when autograd's
 backward has finished (a callback queued from the first gradient hook); a step whose backward never
-came is closed at the next forward. The director (the planner) gives each step its decisions and
-whether to record it.
+came is closed at the next forward. What a step allocates in between comes from the pool's step
+arenas (arenas.py). The director (the planner) gives each step its decisions and whether to record it.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..offload import ActivationOffload
 from ..tensor_trees import tensors as _tensors
+from .arenas import StepArenas
 from .blocks import Unit
 from .lean_loss import LeanLoss
 from .planning import Decision
@@ -141,6 +142,7 @@ class Runtime:
         # The transfer engine for moved activations and inputs: an offload with no budget of its
         # own (everything it is given moves), its copies back driven by the units' backward.
         self.transfers = ActivationOffload(None, window=window, min_bytes=min_bytes, device=device, rebuild=False)
+        self.arenas = StepArenas(device)      # what a step allocates, apart from what outlasts it
         self._anchor = torch.empty(0, device=device)  # a tensor on the device among checkpoint's
         #                                              arguments, so that it keeps that device's RNG state
         self._norms = [[m for m in u.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -174,6 +176,7 @@ class Runtime:
         self._handles = []
         self._outside_units(False)
         self.close_open_step()
+        self.arenas.close()
 
     # -- steps --
 
@@ -192,6 +195,7 @@ class Runtime:
             self._step = None
             return
         moves = any(d is Decision.MOVE or d.moves_inputs for d in spec.decisions)
+        self.arenas.open()
         self._step = self._open = Step(spec, self.transfers, moves)
         self.transfers.begin_step()
         self._where = self.rest
@@ -225,6 +229,7 @@ class Runtime:
         step, self._open = self._open, None
         if step is not None and not step.done:
             step.done = True
+            self.arenas.close()
             self.transfers.abort_step()
             self.director.end(step, completed=False)
 
@@ -241,6 +246,7 @@ class Runtime:
             return
         step.done = True
         step.mark("backward end")
+        self.arenas.close()
         self.transfers.end_step()
         if self._open is step:
             self._open = None
