@@ -50,10 +50,10 @@ class StepArenas:
 
 
 def _warm_up_blas(device: torch.device) -> None:
-    """cuBLAS allocates its workspace through the pool at a stream's first matmul and keeps it for
-    the life of the process: made here, outside any step, it does not hold a step arena."""
-    with torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            x = torch.ones(8, 8, device=device, dtype=dtype)
-            F.linear(x, x, x[0])
-            x @ x
+    """cuBLAS allocates a workspace through the pool at the first matmul of each thread's handle
+    on a stream, and keeps it for the life of the process: made here, outside any step, in this
+    thread and in the autograd engine's thread for the device (a backward), it holds no step arena."""
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    for dtype in dtypes:
+        x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+        (F.linear(x, x, x[0]) @ x).sum().backward()
