@@ -90,10 +90,10 @@ void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, ArenaUse a
 
 void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err) {
   const size_t rounded = round_up(bytes, kSmallAlignment);
-  FreeSet& free_set = free_small_of(arenas, tag);
-  Block* b = find_fit(free_set, rounded);
+  FreeSet* free_set = &free_small_of(arenas, tag);
+  Block* b = find_fit(*free_set, rounded);
   if (b) {
-    free_set.erase(b);
+    free_set->erase(b);
     order_for_reuse(b, stream);
     Arena* a = b->arena;
     a->chunks[chunk_index(a, b->ptr, config_.chunk_size)].last_use = ++tick_;
@@ -106,8 +106,9 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse a
     b = new Block(chunk->ptr, chunk->size, chunk->arena);
     b->container = chunk;
     b->streams.reset(stream);
+    free_set = &free_small_of(chunk->arena->use, tag);  // the chunk may be the other arenas' (take_chunk_run)
   }
-  split(b, rounded, free_set);
+  split(b, rounded, *free_set);
   b->allocated = true;
   b->tag = tag;
   b->requested = bytes;
@@ -130,11 +131,21 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
     return nullptr;
   }
   const bool on_gpu = !host_mapped(tag);
-  const size_t first = chunk_index(b->arena, b->ptr, config_.chunk_size);
-  if (on_gpu && !make_room(b->arena, first, first + rounded / config_.chunk_size, stream)) {
-    err->kind = UM_ERR_OOM;
-    err->over_budget = true;
-    return nullptr;
+  auto room = [&](Block* run) {
+    const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
+    return !on_gpu || make_room(run->arena, first, first + rounded / config_.chunk_size, stream);
+  };
+  if (!room(b)) {
+    // Before failing, the other arenas' free runs: backed memory of one use serves the other when
+    // the budget leaves no new backing (an optimizer's temporaries in the step's freed activations,
+    // while the step's gradients keep its arena).
+    const ArenaUse other = arenas == ArenaUse::step ? ArenaUse::lasting : ArenaUse::step;
+    b = find_fit(free_runs_[static_cast<int>(other)], rounded) ? find_run(rounded, tag, stream, other) : nullptr;
+    if (!b || !room(b)) {
+      err->kind = UM_ERR_OOM;
+      err->over_budget = true;
+      return nullptr;
+    }
   }
   free_runs_of(b->arena).erase(b);
   split(b, rounded, free_runs_of(b->arena));

@@ -706,3 +706,23 @@ def test_under_a_hard_budget_a_step_arena_spans_the_budget(make_pool):
     pool.set_step_arenas(False)
     pool.malloc(2 * MiB)  # lasting data: arenas of the pool's size
     assert pool.raw_stats()["reserved_bytes"] == 20 * MiB
+
+
+def test_under_a_hard_budget_data_of_one_use_takes_the_others_backed_runs_rather_than_fail(make_pool):
+    """An optimizer's temporaries after backward: the budget is spent on the step arena, whose
+    activations are free again but whose gradients still hold it."""
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(16 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.malloc(2 * MiB)  # parameters, in a lasting arena of 4 MiB
+    pool.set_step_arenas(True)
+    activations, gradient = pool.malloc(10 * MiB), pool.malloc(2 * MiB)
+    pool.set_step_arenas(False)
+    pool.free(activations)
+    scratch = pool.malloc(8 * MiB)  # no lasting room within 16 MiB: the step arena's freed run
+    assert scratch == activations and pool.raw_stats()["backed_bytes"] == 2 * MiB + 12 * MiB
+    small = pool.malloc(1024)  # a small chunk's remainder stays with the arena it came from
+    pool.free(scratch)
+    pool.free(small)
+    pool.free(gradient)
+    pool.empty_cache()
+    assert pool.raw_stats()["reserved_bytes"] == 4 * MiB  # all but the parameters' arena went back
