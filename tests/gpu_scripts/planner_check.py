@@ -109,8 +109,8 @@ def oom() -> dict:
 
 
 def arenas() -> dict:
-    """What the steps allocate comes from one step arena the size of the pool's budget, and the
-    step arenas are closed between steps; training goes on after they are given back."""
+    """What the steps allocate comes from a step arena of its own, and the step arenas are closed
+    between steps; training goes on after they are given back."""
     from um_alloc.pool import ChunkPool
 
     model, optimizer = bert()
