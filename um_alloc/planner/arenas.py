@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..install import is_installed
 from ..pool import ChunkPool
@@ -50,10 +51,13 @@ class StepArenas:
 
 
 def _warm_up_blas(device: torch.device) -> None:
-    """cuBLAS allocates a workspace through the pool at the first matmul of each thread's handle
-    on a stream, and keeps it for the life of the process: made here, outside any step, in this
-    thread and in the autograd engine's thread for the device (a backward), it holds no step arena."""
+    """cuBLAS and cuBLASLt allocate workspaces through the pool at the first matmul of each
+    thread's handle on a stream, and keep them for the life of the process. Made here, outside any
+    step, in this thread and in the autograd engine's thread for the device, they hold no step
+    arena: a backward, and in it a recomputed linear layer with a bias (cuBLASLt's path), as a
+    recomputed block runs it."""
     dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
     for dtype in dtypes:
         x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-        (F.linear(x, x, x[0]) @ x).sum().backward()
+        out = checkpoint(F.linear, x, x, x[0], use_reentrant=False)
+        (F.linear(out, x, x[0]) @ x).sum().backward()
