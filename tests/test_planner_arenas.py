@@ -74,3 +74,11 @@ def test_arenas_are_given_back_before_safe_steps_the_first_plan_and_a_retry():
     assert steps(model._recorded.events) == [True, True, True, False, False, True, False]
     planner.remove()
     assert model._recorded.events[-1] == "close"
+
+
+def test_the_blas_warm_up_runs_a_backward_even_where_gradients_are_off():
+    """plan() may be called under torch.no_grad(); the warm-up still reaches the autograd thread."""
+    from um_alloc.planner.arenas import _warm_up_blas
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _warm_up_blas(torch.device("cpu"))

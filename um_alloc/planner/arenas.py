@@ -6,8 +6,8 @@ keeps a range's GPU memory until cudaFree. A step that lays its activations out 
 after planned ones, a plan after the safe steps, a retry with less kept) finds the chunks the last
 layout backed free but scattered, and a large request that fits none of them backs new memory
 beside them: ResNet-50 at batch 352 under 8 GiB ran out with 5.5 GiB live and 8.0 GiB backed.
-Arenas could not be given back, since the optimizer state made at the first step, and a cuBLAS
-workspace, were scattered through the arenas of the step's activations.
+No arena could be given back, since the optimizer state made at the first step was scattered
+through the arenas of the step's activations.
 
 So, while a step's forward and backward run, the pool takes chunk runs from arenas of their own
 (``ChunkPool.set_step_arenas``); parameters, optimizer state and whatever else is made between
@@ -57,7 +57,8 @@ def _warm_up_blas(device: torch.device) -> None:
     arena: a backward, and in it a recomputed linear layer with a bias (cuBLASLt's path), as a
     recomputed block runs it."""
     dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    for dtype in dtypes:
-        x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-        out = checkpoint(F.linear, x, x, x[0], use_reentrant=False)
-        (F.linear(out, x, x[0]) @ x).sum().backward()
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for dtype in dtypes:
+            x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+            out = checkpoint(F.linear, x, x, x[0], use_reentrant=False)
+            (F.linear(out, x, x[0]) @ x).sum().backward()
