@@ -140,7 +140,7 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
     // the budget leaves no new backing (an optimizer's temporaries in the step's freed activations,
     // while the step's gradients keep its arena).
     const ArenaUse other = arenas == ArenaUse::step ? ArenaUse::lasting : ArenaUse::step;
-    b = find_fit(free_runs_[static_cast<int>(other)], rounded) ? find_run(rounded, tag, stream, other) : nullptr;
+    b = find_run(rounded, tag, stream, other);
     if (!b || !room(b)) {
       err->kind = UM_ERR_OOM;
       err->over_budget = true;
@@ -203,7 +203,7 @@ Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream, ArenaUse use)
     if (Block* fresh = grow(rounded, use)) return fresh;
   }
   // GPU data under a hard budget, with no run backed for all of it: where it needs least new backing.
-  if (placed && backing) return fewest_unbacked(runs, best, rounded);
+  if (placed && backing && !for_host) return fewest_unbacked(runs, best, rounded);
   return best;
 }
 

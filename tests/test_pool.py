@@ -713,3 +713,15 @@ def test_under_a_hard_budget_data_of_one_use_takes_the_others_backed_runs_rather
     pool.free(gradient)
     pool.empty_cache()
     assert pool.raw_stats()["reserved_bytes"] == 16 * MiB  # all but the parameters' arena went back
+
+
+def test_host_mapped_data_the_cap_keeps_from_new_space_takes_the_best_fit_not_the_most_backed(make_pool):
+    from um_alloc.policy import TagAdvice
+
+    pool = make_pool(arena=16 * MiB, cap=16 * MiB)  # one arena: no new address space
+    pool.set_tag_policy("optimizer_state", TagAdvice(**HOST_MAPPED))
+    pool.set_budget(64 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    backed, keep, partly = pool.malloc(8 * MiB), pool.malloc(2 * MiB), pool.malloc(2 * MiB)  # chunks 0-3, 4, 5
+    pool.free(backed)  # free runs: chunks 0-3, all backed, and 5-7 (the best fit), only 5 backed
+    pool.free(partly)
+    assert pool.malloc(4 * MiB, tag="optimizer_state") == partly  # not the wholly backed run
