@@ -53,6 +53,13 @@ def test_chunked_cross_entropy_is_pytorchs_bit_for_bit(cuda_device):
     result = _check("lean")
     for case, seen in result.items():
         assert seen["loss_equal"] and seen["grad_equal"], (case, seen)
+        assert seen.get("took_narrow", True), case  # upcast logits: the chunks read the narrow ones
+
+
+def test_a_language_models_upcast_logits_are_taken_narrow_with_plain_trainings_losses(cuda_device):
+    result = _check("gpt2")
+    assert result["planned"] == result["plain"]
+    assert result["lean_loss_upcasts"] > 0 and result["lean_loss_upcasts"] == result["lean_loss_calls"]
 
 
 def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):

@@ -1,12 +1,15 @@
 """The chunked cross-entropy: PyTorch's result bit for bit where it applies, PyTorch's own call
 everywhere else, and inside a planned model's forward without changes to the model."""
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from test_planner_replay import Fixed, decisions_for, gradients, tiny_bert
 from um_alloc.planner import Decision, find_units
-from um_alloc.planner.lean_loss import LeanLoss, applies, chunked_cross_entropy
+from um_alloc.planner.lean_loss import ALIGN_BYTES, LeanLoss, _Rows, applies, chunked_cross_entropy
 from um_alloc.planner.replay import Runtime
 
 
@@ -79,3 +82,114 @@ def test_a_planned_models_loss_is_chunked_with_plain_gradients():
     assert runtime.lean_loss.calls == 1
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
     assert torch._C._len_torch_function_stack() == 0  # the mode left with the forward
+
+
+def upcast_logits(dtype, wide=torch.float32, rows=300, classes=211):
+    """Narrow logits as a model's head makes them, and a target, as in transformers' loss: the
+    logits upcast, then flattened."""
+    logits, target = logits_and_target(torch.float64, rows, classes)
+    return logits.detach().to(dtype).view(3, rows // 3, classes).requires_grad_(), target
+
+
+def plain_and_lean(narrow, target, wide=torch.float32, reduction="mean", change=None):
+    """The loss and the narrow logits' gradient, plainly and under LeanLoss, of
+    cross_entropy(narrow.to(wide).view(-1, classes)); `change` is applied to the upcast first."""
+    out = []
+    for mode in (None, LeanLoss(min_bytes=0)):
+        if mode is not None:
+            mode.__enter__()
+        upcast = narrow.float() if wide is torch.float32 else narrow.to(wide)
+        if change is not None:
+            change(upcast)
+        loss = F.cross_entropy(upcast.view(-1, narrow.size(-1)), target, reduction=reduction)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        out.append((loss, torch.autograd.grad(loss, narrow)[0], mode))
+    return out
+
+
+@pytest.mark.parametrize("narrow,wide", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                         (torch.float32, torch.float64)], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_upcast_logits_are_taken_narrow_with_pytorchs_loss_and_gradient_bit_for_bit(narrow, wide, reduction):
+    logits, target = upcast_logits(narrow)
+    (plain, plain_grad, _), (lean, lean_grad, mode) = plain_and_lean(logits, target, wide, reduction)
+    assert mode.calls == 1 and mode.upcast_calls == 1
+    assert lean_grad.dtype == narrow
+    assert torch.equal(plain, lean) and torch.equal(plain_grad, lean_grad)
+
+
+def test_the_upcast_is_not_held_for_backward():
+    logits, target = upcast_logits(torch.bfloat16)
+    with LeanLoss(min_bytes=0) as mode:
+        upcast = logits.float()
+        flat = upcast.view(-1, logits.size(-1))
+        loss = F.cross_entropy(flat, target)
+    held = weakref.ref(upcast)
+    del upcast, flat
+    assert mode.upcast_calls == 1 and held() is None  # nothing in the graph holds the fp32 logits
+    loss.backward()
+
+
+@pytest.mark.parametrize("change", [lambda upcast: upcast.mul_(1.5), lambda upcast: upcast.view(-1)[0].zero_()],
+                         ids=["scaled", "one_value"])
+def test_an_upcast_changed_in_place_is_left_to_the_plain_path(change):
+    logits, target = upcast_logits(torch.bfloat16)
+    (plain, plain_grad, _), (lean, lean_grad, mode) = plain_and_lean(logits, target, change=change)
+    assert mode.calls == 1 and mode.upcast_calls == 0
+    assert torch.equal(plain, lean) and torch.equal(plain_grad, lean_grad)
+
+
+def test_a_source_changed_after_its_upcast_is_left_to_the_plain_path():
+    logits, target = upcast_logits(torch.bfloat16)
+    narrow = logits.detach().clone().requires_grad_()
+    source = narrow * 1  # a non-leaf, which may change in place
+    with LeanLoss(min_bytes=0) as mode:
+        upcast = source.float()
+        with torch.no_grad():
+            source.mul_(2)
+        lean = F.cross_entropy(upcast.view(-1, logits.size(-1)), target)
+    plain = F.cross_entropy((logits * 1).float().view(-1, logits.size(-1)), target)
+    assert mode.upcast_calls == 0 and torch.equal(lean, plain)
+
+
+def test_views_as_another_dtype_and_narrowing_casts_stay_plain():
+    logits, target = upcast_logits(torch.float32)
+    with LeanLoss(min_bytes=0) as mode:
+        assert logits.view(torch.int32).dtype == torch.int32  # a reinterpretation of the bytes, noted nowhere
+        narrowed = logits.to(torch.bfloat16)                    # not an upcast
+        F.cross_entropy(narrowed.float().view(-1, logits.size(-1)), target)
+        F.cross_entropy(logits.to(torch.bfloat16).view(-1, logits.size(-1)), target)
+    assert mode.calls == 2 and mode.upcast_calls == 1
+
+
+def tiny_gpt2():
+    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=2, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(torch.bfloat16).train()
+
+
+def test_a_planned_language_models_upcast_loss_is_taken_narrow_with_plain_gradients():
+    model = tiny_gpt2()
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
+    plain_loss, plain = gradients(model, ids)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
+                      window=1 << 20, min_bytes=1)
+    runtime.lean_loss.min_bytes = 0
+    runtime.attach()
+    loss, planned = gradients(model, ids)
+    runtime.detach()
+    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == 1  # transformers' logits.float()
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
+@pytest.mark.parametrize("phase", [0, 4, 12, 500])
+def test_an_upcast_chunks_rows_start_where_they_would_in_the_whole_upcast(phase):
+    narrow = torch.zeros(50, 257, dtype=torch.bfloat16)
+    rows = _Rows(narrow, torch.float32, phase, chunk_bytes=7 * 257 * 4)  # 7 rows a chunk
+    for start, end, chunk in rows.chunks():
+        assert chunk.shape == (end - start, 257) and chunk.dtype == torch.float32
+        assert chunk.data_ptr() % ALIGN_BYTES == (phase + start * 257 * 4) % ALIGN_BYTES
+    assert end == 50

@@ -4,6 +4,7 @@
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
+    python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
     python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
     python tests/gpu_scripts/planner_check.py arenas  # between steps the step arenas are wholly free
 
@@ -152,11 +153,66 @@ def lean() -> dict:
         out[f"{dtype}_autocast{autocast}_{reduction}"] = {
             "loss_equal": torch.equal(plain, chunked), "grad_equal": torch.equal(plain_grad, chunked_grad),
             "grad_max_diff": (plain_grad.float() - chunked_grad.float()).abs().max().item()}
+    for dtype, autocast in [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)]:
+        out[f"upcast_{dtype}_autocast{autocast}"] = _upcast_case(dtype, autocast)
     return out
+
+
+def _upcast_case(dtype, autocast: bool) -> dict:
+    """transformers' loss: narrow logits upcast, flattened, then cross_entropy; under LeanLoss the
+    chunked version takes the narrow logits."""
+    import torch.nn.functional as F
+
+    from um_alloc.planner.lean_loss import LeanLoss
+
+    # GPT-2's vocabulary: fp32 rows of 50,257 start 4 bytes further each row; two chunks of 1,335 rows.
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(2, 1024, 50257, device="cuda")).to(dtype).requires_grad_()
+    target = torch.randint(0, 50257, (2048,), device="cuda")
+    target[::5] = -100
+    results = []
+    for mode in (None, LeanLoss(min_bytes=0)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            if mode is not None:
+                mode.__enter__()
+            loss = F.cross_entropy(logits.float().view(-1, 50257), target)
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        results.append((loss, torch.autograd.grad(loss, logits)[0]))
+    (plain, plain_grad), (lean, lean_grad) = results
+    return {"loss_equal": torch.equal(plain, lean), "grad_equal": torch.equal(plain_grad, lean_grad),
+            "took_narrow": mode.upcast_calls == 1}
+
+
+def gpt2() -> dict:
+    """A small GPT-2, whose loss upcasts its logits (transformers' ForCausalLMLoss), planned and
+    plain: the same losses, the loss computed from the bf16 logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make():
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=6, n_head=4, n_positions=256)
+        with um_alloc.tag("parameter"):
+            model = GPT2LMHeadModel(config).cuda().train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    plain, plain_opt = make()
+    planned, planned_opt = make()
+    planner = um_alloc.plan(planned, budget="2GiB")
+    planner._runtime.lean_loss.min_bytes = 0
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        ids = torch.randint(0, 4096, (16, 256), generator=data).cuda()
+        losses["plain"].append(step(plain, plain_opt, ids, i))
+        losses["planned"].append(step(planned, planned_opt, ids, i))
+    summary = planner.to_dict()
+    return {**losses, "plan": planner.plan.counts(), "lean_loss_calls": summary["lean_loss_calls"],
+            "lean_loss_upcasts": summary["lean_loss_upcasts"]}
 
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
     um_alloc.install("best.yaml", budget="4GiB")
     print(json.dumps({"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean,
-                      "lengths": lengths, "arenas": arenas}[sys.argv[1]]()))
+                      "lengths": lengths, "arenas": arenas, "gpt2": gpt2}[sys.argv[1]]()))

@@ -431,6 +431,7 @@ class BlockPlanner:
                "safe_steps": self.safe_steps, "inputs": self._inputs()}
         if self._runtime.lean_loss is not None:
             out["lean_loss_calls"] = self._runtime.lean_loss.calls
+            out["lean_loss_upcasts"] = self._runtime.lean_loss.upcast_calls
         if self.plan:
             out.update(plan=self.plan.to_dict(), measured_step_s=self.measured_step_s())
             trials = self._current_trials()
