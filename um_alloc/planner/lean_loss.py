@@ -25,7 +25,8 @@ takes the narrower tensor instead, upcasts a chunk of rows at a time, and return
 the narrower dtype. Upcasting is exact, and casting the gradient a chunk at a time rounds each
 element as the cast's backward does, so loss and gradient stay bit for bit PyTorch's. Forward and
 backward then hold the bf16 logits and one chunk instead of the fp32 logits and their gradient: at
-GPT-2's vocabulary (50,257) and 8 x 1024 tokens, 3.8 GiB at the start of backward becomes 1.5 GiB.
+GPT-2's vocabulary (50,257) and 8 x 1024 tokens, by the tensors' sizes, 1.5 GiB at the start of
+backward instead of 3.8.
 An upcast changed in place after it was made, or not contiguous, is left to the plain path.
 
 ``LeanLoss`` is a TorchFunctionMode: the planner enters it where a model computes its loss (after
