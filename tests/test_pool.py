@@ -636,7 +636,7 @@ def test_between_steps_the_step_arenas_are_wholly_free_and_give_their_backing_ba
     pool.set_budget(64 * MiB, min_swap_size=1 * MiB, evict_live=False)
     pool.malloc(2 * MiB)  # parameters
     pool.set_step_arenas(True)
-    activations = [pool.malloc(6 * MiB) for _ in range(4)]  # forward and backward: two arenas
+    activations = [pool.malloc(6 * MiB) for _ in range(4)]  # forward and backward: one arena, the budget's size
     pool.set_step_arenas(False)
     state = [pool.malloc(2 * MiB) for _ in range(3)]  # the first optimizer step
     for p in activations:
@@ -645,7 +645,7 @@ def test_between_steps_the_step_arenas_are_wholly_free_and_give_their_backing_ba
     assert backed == 2 * MiB + 24 * MiB + 6 * MiB
     released = pool.empty_cache()
     s = pool.raw_stats()
-    assert released == 32 * MiB and s["backed_bytes"] == 2 * MiB + 6 * MiB
+    assert released == 64 * MiB and s["backed_bytes"] == 2 * MiB + 6 * MiB
     assert all(pool.block_at(p) is not None for p in state)
 
 
@@ -695,12 +695,25 @@ def test_held_counts_the_backed_bytes_of_arenas_a_live_allocation_holds(make_poo
     assert pool.device_held() == (0, 0)
 
 
+def test_under_a_hard_budget_a_step_arena_spans_the_budget(make_pool):
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(15 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_step_arenas(True)
+    first = pool.malloc(2 * MiB)
+    second = pool.malloc(10 * MiB)  # in the same arena: the budget, rounded up to whole chunks
+    s = pool.raw_stats()
+    assert (s["arena_count"], s["reserved_bytes"]) == (1, 16 * MiB) and second - first == 2 * MiB
+    pool.set_step_arenas(False)
+    pool.malloc(2 * MiB)  # lasting data: arenas of the pool's size
+    assert pool.raw_stats()["reserved_bytes"] == 20 * MiB
+
+
 def test_under_a_hard_budget_data_of_one_use_takes_the_others_backed_runs_rather_than_fail(make_pool):
     """An optimizer's temporaries after backward: the budget is spent on the step arena, whose
     activations are free again but whose gradients still hold it."""
-    pool = make_pool(arena=16 * MiB)
+    pool = make_pool(arena=4 * MiB)
     pool.set_budget(16 * MiB, min_swap_size=1 * MiB, evict_live=False)
-    pool.malloc(2 * MiB)  # parameters, in a lasting arena
+    pool.malloc(2 * MiB)  # parameters, in a lasting arena of 4 MiB
     pool.set_step_arenas(True)
     activations, gradient = pool.malloc(10 * MiB), pool.malloc(2 * MiB)
     pool.set_step_arenas(False)
@@ -712,7 +725,7 @@ def test_under_a_hard_budget_data_of_one_use_takes_the_others_backed_runs_rather
     pool.free(small)
     pool.free(gradient)
     pool.empty_cache()
-    assert pool.raw_stats()["reserved_bytes"] == 16 * MiB  # all but the parameters' arena went back
+    assert pool.raw_stats()["reserved_bytes"] == 4 * MiB  # all but the parameters' arena went back
 
 
 def test_host_mapped_data_the_cap_keeps_from_new_space_takes_the_best_fit_not_the_most_backed(make_pool):
