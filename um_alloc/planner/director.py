@@ -113,7 +113,8 @@ class BlockPlanner:
             many hosts can hide; ask for them where the GPU, not the CPU, sets the pace.
         lean_loss: compute a cross-entropy of at least 512 MiB of logits inside the model's forward
             (a Hugging Face model's loss) in row chunks, bit for bit PyTorch's result with 2 GB less
-            at BERT-Large's peaks (um_alloc.planner.lean_loss); default True.
+            at BERT-Large's peaks, and from the bf16 logits where the model upcast them
+            (um_alloc.planner.lean_loss); default True.
 
     Attributes:
         safe_steps: steps run in the safe mode to measure an input (``to_dict()["inputs"]`` says
