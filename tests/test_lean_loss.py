@@ -68,8 +68,18 @@ def test_mode_routes_positional_and_keyword_arguments():
     assert mode.calls == 2 and torch.equal(a, b) and torch.equal(a, F.cross_entropy(logits, target, reduction="sum"))
 
 
-def test_a_planned_models_loss_is_chunked_with_plain_gradients():
-    model = tiny_bert()
+def tiny_gpt2():
+    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=2, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(torch.bfloat16).train()
+
+
+@pytest.mark.parametrize("make,upcasts", [(tiny_bert, 0), (tiny_gpt2, 1)], ids=["bert", "gpt2_upcast"])
+def test_a_planned_models_loss_is_chunked_with_plain_gradients(make, upcasts):
+    """BERT's loss takes its logits as they are; GPT-2's (transformers' ForCausalLMLoss) upcasts
+    them first, and the chunks take the bf16 logits instead."""
+    model = make()
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
     plain_loss, plain = gradients(model, ids)
     units = find_units(model)
@@ -79,12 +89,12 @@ def test_a_planned_models_loss_is_chunked_with_plain_gradients():
     runtime.attach()
     loss, planned = gradients(model, ids)
     runtime.detach()
-    assert runtime.lean_loss.calls == 1
+    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == upcasts
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
     assert torch._C._len_torch_function_stack() == 0  # the mode left with the forward
 
 
-def upcast_logits(dtype, wide=torch.float32, rows=300, classes=211):
+def upcast_logits(dtype, rows=300, classes=211):
     """Narrow logits as a model's head makes them, and a target, as in transformers' loss: the
     logits upcast, then flattened."""
     logits, target = logits_and_target(torch.float64, rows, classes)
@@ -162,27 +172,6 @@ def test_views_as_another_dtype_and_narrowing_casts_stay_plain():
         F.cross_entropy(logits.to(torch.bfloat16).view(-1, logits.size(-1)), target)
     assert mode.calls == 2 and mode.upcast_calls == 1
 
-
-def tiny_gpt2():
-    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=2, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(torch.bfloat16).train()
-
-
-def test_a_planned_language_models_upcast_loss_is_taken_narrow_with_plain_gradients():
-    model = tiny_gpt2()
-    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
-    plain_loss, plain = gradients(model, ids)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
-                      window=1 << 20, min_bytes=1)
-    runtime.lean_loss.min_bytes = 0
-    runtime.attach()
-    loss, planned = gradients(model, ids)
-    runtime.detach()
-    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == 1  # transformers' logits.float()
-    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
 
 
 @pytest.mark.parametrize("phase", [0, 4, 12, 500])
