@@ -27,7 +27,9 @@ element as the cast's backward does, so loss and gradient stay bit for bit PyTor
 backward then hold the bf16 logits and one chunk instead of the fp32 logits and their gradient: at
 GPT-2's vocabulary (50,257) and 8 x 1024 tokens, by the tensors' sizes, 1.5 GiB at the start of
 backward instead of 3.8.
-An upcast changed in place after it was made, or not contiguous, is left to the plain path.
+An upcast changed in place after it was made, or not contiguous, is left to the plain path. Where
+the same upcast also feeds another term of the loss (a z-loss on the logits, say), the two
+gradients meet in the narrow dtype instead of in fp32, and their sum may differ in its last bits.
 
 ``LeanLoss`` is a TorchFunctionMode: the planner enters it where a model computes its loss (after
 its last unit, inside its forward), so no code changes.
