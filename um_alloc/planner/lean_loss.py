@@ -84,7 +84,8 @@ class _Rows:
 
     def __init__(self, logits: torch.Tensor, dtype: torch.dtype, phase: int, chunk_bytes: int):
         self.logits, self.dtype, self.phase = logits, dtype, phase
-        self.row_bytes = logits.size(1) * torch.finfo(dtype).bits // 8
+        self.item_bytes = torch.finfo(dtype).bits // 8
+        self.row_bytes = logits.size(1) * self.item_bytes
         self.step = max(1, chunk_bytes // max(self.row_bytes, 1))
 
     def chunks(self):
@@ -97,10 +98,10 @@ class _Rows:
         rows = self.logits[start:end]
         if rows.dtype is self.dtype:
             return rows
-        size = torch.finfo(self.dtype).bits // 8
-        buffer = torch.empty((end - start) * rows.size(1) + ALIGN_BYTES // size, dtype=self.dtype, device=rows.device)
+        buffer = torch.empty((end - start) * rows.size(1) + ALIGN_BYTES // self.item_bytes, dtype=self.dtype,
+                             device=rows.device)
         want = (self.phase + start * self.row_bytes) % ALIGN_BYTES
-        skip = (want - buffer.data_ptr()) % ALIGN_BYTES // size
+        skip = (want - buffer.data_ptr()) % ALIGN_BYTES // self.item_bytes
         return buffer[skip:skip + rows.numel()].view(rows.shape).copy_(rows)
 
 
