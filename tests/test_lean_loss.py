@@ -34,6 +34,36 @@ def test_chunked_loss_and_gradient_equal_pytorchs_bit_for_bit(dtype, reduction):
     assert torch.equal(plain_grad, chunked_grad)
 
 
+@pytest.mark.parametrize("matches", [True, False], ids=["subtracted", "log_softmax_again"])
+def test_backward_makes_log_probabilities_by_subtraction_where_that_matches(monkeypatch, matches):
+    """Backward makes the log-probabilities from each row's largest logit and log(sum), where a
+    process's first comparison found that equal to log-softmax; elsewhere it runs log-softmax again.
+    Both give PyTorch's gradient bit for bit."""
+    from um_alloc.planner import lean_loss
+    monkeypatch.setattr(lean_loss, "_SUBTRACTION_MATCHES", {} if matches else
+                        {("cpu", torch.bfloat16, torch.float32, 211): False})
+    logits, target = logits_and_target(torch.bfloat16)
+    plain = F.cross_entropy(logits.float(), target)
+    plain_grad, = torch.autograd.grad(plain, logits)
+    chunked = chunked_cross_entropy(logits, target, dtype=torch.float32, upcast=logits.float(),
+                                    chunk_bytes=40 * 211 * 4)
+    calls = []
+    log_softmax = F.log_softmax
+    monkeypatch.setattr(F, "log_softmax", lambda *a, **k: calls.append(1) or log_softmax(*a, **k))
+    chunked_grad, = torch.autograd.grad(chunked, logits)
+    assert torch.equal(plain, chunked) and torch.equal(plain_grad, chunked_grad)
+    assert len(calls) == (0 if matches else 8)  # 300 rows, 40 a chunk
+    assert lean_loss._SUBTRACTION_MATCHES == {("cpu", torch.bfloat16, torch.float32, 211): matches}
+
+
+def test_an_upcast_of_another_dtype_or_shape_is_refused():
+    logits, target = logits_and_target(torch.bfloat16)
+    with pytest.raises(ValueError, match="upcast must be the logits as torch.float32"):
+        chunked_cross_entropy(logits, target, dtype=torch.float32, upcast=logits.double())
+    with pytest.raises(ValueError, match=r"of shape \(300, 211\)"):
+        chunked_cross_entropy(logits, target, dtype=torch.float32, upcast=logits[:10].float())
+
+
 def test_every_row_ignored_gives_pytorchs_nan_and_zero_gradient():
     logits, target = logits_and_target(torch.float64, rows=10)
     target[:] = -100
@@ -178,7 +208,8 @@ def test_views_as_another_dtype_and_narrowing_casts_stay_plain():
 def test_an_upcast_chunks_rows_start_where_they_would_in_the_whole_upcast(phase):
     narrow = torch.zeros(50, 257, dtype=torch.bfloat16)
     rows = _Rows(narrow, torch.float32, phase, chunk_bytes=7 * 257 * 4)  # 7 rows a chunk
-    for start, end, chunk in rows.chunks():
+    for start, end in rows.spans():
+        chunk = rows.rows(start, end)
         assert chunk.shape == (end - start, 257) and chunk.dtype == torch.float32
         assert chunk.data_ptr() % ALIGN_BYTES == (phase + start * 257 * 4) % ALIGN_BYTES
     assert end == 50

@@ -155,7 +155,10 @@ def lean() -> dict:
             "grad_max_diff": (plain_grad.float() - chunked_grad.float()).abs().max().item()}
     for dtype, autocast in [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)]:
         out[f"upcast_{dtype}_autocast{autocast}"] = _upcast_case(dtype, autocast)
-    return out
+    from um_alloc.planner import lean_loss
+    return {"cases": out, "subtracted": [str(k) for k, v in lean_loss._SUBTRACTION_MATCHES.items() if v],
+            "fused": [str(k) for k, v in lean_loss._FUSED.items() if v is not None],
+            "compared_fused": [str(k) for k in lean_loss._FUSED]}
 
 
 def _upcast_case(dtype, autocast: bool) -> dict:
