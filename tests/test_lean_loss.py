@@ -159,6 +159,26 @@ def test_upcast_logits_are_taken_narrow_with_pytorchs_loss_and_gradient_bit_for_
     assert torch.equal(plain, lean) and torch.equal(plain_grad, lean_grad)
 
 
+def test_an_upcast_that_also_feeds_a_z_loss_gives_pytorchs_loss_and_a_gradient_within_rounding():
+    """The docstring's limit: where the upcast also feeds another term, the two gradients meet in
+    the narrow dtype, not in fp32. The loss stays PyTorch's; the gradient differs by at most the
+    narrow dtype's rounding of each element."""
+    logits, target = upcast_logits(torch.bfloat16)
+    out = []
+    for mode in (None, LeanLoss(min_bytes=0)):
+        if mode is not None:
+            mode.__enter__()
+        upcast = logits.float().view(-1, logits.size(-1))
+        loss = F.cross_entropy(upcast, target) + 1e-2 * torch.logsumexp(upcast, -1).square().mean()
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        out.append((loss, torch.autograd.grad(loss, logits)[0]))
+    (plain, plain_grad), (lean, lean_grad) = out
+    assert mode.upcast_calls == 1 and torch.equal(plain, lean)
+    spacing = plain_grad.float().abs() * 2 ** -7 + 1e-12  # bf16 keeps 8 significant bits
+    assert ((lean_grad.float() - plain_grad.float()).abs() <= spacing).all()
+
+
 def test_the_upcast_is_not_held_for_backward():
     logits, target = upcast_logits(torch.bfloat16)
     with LeanLoss(min_bytes=0) as mode:

@@ -44,17 +44,24 @@ def step(model, optimizer, ids, seed):
     return loss.item()
 
 
-def equal(decisions=None) -> dict:
-    plain, plain_opt = bert()
-    planned, planned_opt = bert()
+def side_by_side(make, batch, decisions=None) -> tuple[dict, object]:
+    """Two models from `make` see the same six batches (`batch(generator)`) and seeds, one plain,
+    one planned, its loss chunked however small; their losses, and the planner."""
+    plain, plain_opt = make()
+    planned, planned_opt = make()
     planner = um_alloc.plan(planned, budget="2GiB", decisions=decisions)
     planner._runtime.lean_loss.min_bytes = 0  # the loss is small here: chunk it anyway, to compare
     data = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
     for i in range(6):
-        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        ids = batch(data).cuda()
         losses["plain"].append(step(plain, plain_opt, ids, i))
         losses["planned"].append(step(planned, planned_opt, ids, i))
+    return losses, planner
+
+
+def equal(decisions=None) -> dict:
+    losses, planner = side_by_side(bert, lambda data: torch.randint(5, 1024, (16, 128), generator=data), decisions)
     return {**losses, "plan": planner.plan.counts(), "moved": planner.plan.moved_bytes,
             "lean_loss_calls": planner.to_dict()["lean_loss_calls"],
             "rebuildable_bytes": sum(u.rebuildable_bytes for u in planner.calibration.units)}
@@ -199,16 +206,7 @@ def gpt2() -> dict:
             model = GPT2LMHeadModel(config).cuda().train()
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    plain, plain_opt = make()
-    planned, planned_opt = make()
-    planner = um_alloc.plan(planned, budget="2GiB")
-    planner._runtime.lean_loss.min_bytes = 0
-    data = torch.Generator().manual_seed(1)
-    losses = {"plain": [], "planned": []}
-    for i in range(6):
-        ids = torch.randint(0, 4096, (16, 256), generator=data).cuda()
-        losses["plain"].append(step(plain, plain_opt, ids, i))
-        losses["planned"].append(step(planned, planned_opt, ids, i))
+    losses, planner = side_by_side(make, lambda data: torch.randint(0, 4096, (16, 256), generator=data))
     summary = planner.to_dict()
     return {**losses, "plan": planner.plan.counts(), "lean_loss_calls": summary["lean_loss_calls"],
             "lean_loss_upcasts": summary["lean_loss_upcasts"]}
