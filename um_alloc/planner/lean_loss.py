@@ -186,7 +186,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-# (device type, logits' dtype, loss's dtype, vocabulary) -> whether log-softmax's values are the
+# (device, logits' dtype, loss's dtype, vocabulary) -> whether log-softmax's values are the
 # subtractions backward makes (_ChunkedCrossEntropy): compared once a process, on real rows.
 _SUBTRACTION_MATCHES: dict[tuple, bool] = {}
 
@@ -208,7 +208,7 @@ def _subtraction_matches(logits, dtype, log_probs, row_max, log_sum) -> bool:
 
 
 def _kernel_key(logits: torch.Tensor, dtype: torch.dtype) -> tuple:
-    return logits.device.type, logits.dtype, dtype, logits.size(1)
+    return str(logits.device), logits.dtype, dtype, logits.size(1)
 
 
 # The gradient of a chunk of rows in one elementwise kernel (torch.cuda.jiterator), in fp32: the
@@ -216,9 +216,9 @@ def _kernel_key(logits: torch.Tensor, dtype: torch.dtype) -> tuple:
 # PyTorch's kernel writes it, gradOutput - exp(output) * sum, where a row's gradOutput is `scale`
 # at its target and 0 elsewhere, and so is its sum. Whether the compiler fuses the multiply and
 # subtract into one rounding is its choice, so both forms are here; the first call compares them
-# with PyTorch's kernels and keeps the one that matches bit for bit, if any. Against those kernels
-# it reads the narrow logits once and writes the gradient once, where they write and read the
-# log-probabilities, nll's gradient and log-softmax's gradient in fp32.
+# with PyTorch's kernels and keeps the one that matches bit for bit, if any. It reads the upcast
+# rows once and writes their gradient once, where those kernels write and read the
+# log-probabilities, nll's gradient and log-softmax's gradient in turn.
 _GRADIENT_KERNELS = {
     "contracted": "return picked - ::exp(log_prob) * scale;",
     "rounded_product": "return picked - __fmul_rn(::exp(log_prob), scale);",
