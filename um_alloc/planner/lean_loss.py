@@ -61,7 +61,7 @@ __all__ = ["LeanLoss", "chunked_cross_entropy", "applies"]
 log = logging.getLogger("um_alloc.planner")
 
 MiB = 1 << 20
-CHUNK_BYTES = 256 * MiB     # log-softmax rows recomputed at once in backward
+CHUNK_BYTES = 256 * MiB     # rows of the loss's dtype taken at once, in forward and in backward
 ALIGN_BYTES = 512           # a row of an upcast chunk starts where it would in the whole upcast, modulo this
 MIN_BYTES = 512 * MiB       # smaller logits are left to PyTorch: nothing worth saving
 
