@@ -13,7 +13,8 @@ With --repeats N the methods run N times, alternated (stock, gradient_checkpoint
 launcher, stock, ...), so that a drift of the GPU's clocks or the host's load falls on all of them;
 each record then holds every run's samples/s and, as its own, their median.
 
-Records share one run_id and go to bench/results/RUN_ID/trainer_gpt2_<budget>.json.
+Records share one run_id and go to bench/results/RUN_ID/trainer_gpt2_<budget>.json; the um_alloc
+methods' hold the first good run's plan, its predicted step time and the calibration it came from.
 """
 from __future__ import annotations
 
@@ -87,9 +88,11 @@ def merged(runs: list[tuple[dict, dict, str]]) -> dict:
     if len(runs) > 1:
         figures["samples_per_s_runs"] = [s.get("samples_per_s") if status == "ok" else None for s, _, status in runs]
     summary, extra = good[0] if good else ({}, {})
-    plan = (extra.get("planner") or {}).get("plan") or summary.get("plan")
-    if plan:
-        figures.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"))
+    planner = extra.get("planner") or summary
+    if planner.get("plan"):
+        # The calibration too: what a prediction was made from, to read its error from the record.
+        figures.update(plan=planner["plan"], predicted_step_s=planner["plan"].get("predicted_step_s"),
+                       calibration=planner.get("calibration"))
     return figures
 
 

@@ -106,7 +106,8 @@ def main(argv=None) -> dict:
               "nvml_highwater_bytes": None if used_before is None or used_after is None else used_after - used_before}
     planner = callbacks[0].planner if callbacks else None
     if planner is not None and planner.plan is not None:
-        result["plan"] = planner.plan.to_dict()
+        summary = planner.to_dict()  # the plan, and the calibration it was made from
+        result.update(plan=summary["plan"], calibration=summary.get("calibration"))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)
