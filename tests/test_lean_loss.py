@@ -1,5 +1,6 @@
 """The chunked cross-entropy: PyTorch's result bit for bit where it applies, PyTorch's own call
 everywhere else, and inside a planned model's forward without changes to the model."""
+import functools
 import weakref
 
 import pytest
@@ -54,6 +55,18 @@ def test_backward_makes_log_probabilities_by_subtraction_where_that_matches(monk
     assert torch.equal(plain, chunked) and torch.equal(plain_grad, chunked_grad)
     assert len(calls) == (0 if matches else 8)  # 300 rows, 40 a chunk
     assert lean_loss._SUBTRACTION_MATCHES == {("cpu", torch.bfloat16, torch.float32, 211): matches}
+
+
+def test_a_gradient_with_a_graph_of_its_own_is_pytorchs_and_so_is_its_derivative():
+    """create_graph=True (a gradient penalty): backward runs log-softmax again, whose graph is the
+    right one, not the subtractions from forward's constants."""
+    logits, target = logits_and_target(torch.float64)
+    out = []
+    for loss_of in (F.cross_entropy, functools.partial(chunked_cross_entropy, chunk_bytes=40 * 211 * 8)):
+        grad, = torch.autograd.grad(loss_of(logits, target), logits, create_graph=True)
+        out.append((grad, torch.autograd.grad(grad.square().sum(), logits)[0]))
+    (plain, plain_second), (chunked, chunked_second) = out
+    assert torch.equal(plain, chunked) and torch.equal(plain_second, chunked_second)
 
 
 def test_an_upcast_of_another_dtype_or_shape_is_refused():

@@ -22,7 +22,9 @@ writes each value as ``(x - max) - log(sum)`` in that dtype, and at a row's larg
 in fp32), and backward makes the log-probabilities again with two elementwise subtractions instead
 of a log-softmax. The first time a process sees a device, dtype and vocabulary, forward compares
 the two on its first chunk, bit for bit; where they differ (a kernel that adds ``max + log(sum)``
-first), that combination keeps recomputing the log-softmax.
+first), that combination keeps recomputing the log-softmax. So does a backward that builds a graph
+of its own (``create_graph=True``, a gradient penalty): to the subtractions, max and ``log(sum)``
+are constants, and the gradient's own gradient would come out wrong.
 
 On CUDA, in fp32, the gradient of a chunk is then one elementwise kernel (``_GRADIENT_KERNELS``),
 compared with PyTorch's kernels once in the same way and used only where it matched bit for bit.
@@ -166,6 +168,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = grad / valid.sum().to(grad.dtype) if ctx.reduction == "mean" else grad
         picked_grad = torch.where(valid, -scale, torch.zeros_like(scale)).to(rows.dtype).unsqueeze(1)
         out = torch.empty_like(logits)
+        if torch.is_grad_enabled():
+            # create_graph: the gradient must itself have one, and max and log(sum) held as
+            # constants would give it the wrong one; log-softmax again gives the right one.
+            row_max = log_sum = None
         fused = _fused_gradient(logits, rows.dtype) if row_max is not None else None
         for start, end in rows.spans():
             if fused is not None:
