@@ -250,6 +250,8 @@ def _fused_gradient_matching(grad, logits, row_max, log_sum, picked_grad, index,
     key = _kernel_key(logits, dtype)
     if key in _FUSED or not logits.is_cuda or dtype is not torch.float32:
         return _FUSED.get(key)
+    if not bool(picked_grad.ne(0).any()):  # every row ignored: any kernel gives zeros; decide later
+        return None
     _FUSED[key] = None
     columns = torch.arange(logits.size(1), device=logits.device, dtype=dtype)
     for name, body in _GRADIENT_KERNELS.items():
