@@ -67,15 +67,28 @@ def by_kind(events: list[dict], t0: float) -> dict[str, dict]:
     return kinds
 
 
+def busy_and_gaps(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Of (start, end) spans sorted by start: the length of their union, and (start, length) of
+    each gap between its stretches, in time order (the trace's units)."""
+    busy, gaps = 0.0, []
+    start = end = None
+    for s, e in spans:
+        if end is None or s > end:
+            if end is not None:
+                busy += end - start
+                gaps.append((end, s - end))
+            start, end = s, e
+        else:
+            end = max(end, e)
+    if end is not None:
+        busy += end - start
+    return busy, gaps
+
+
 def kernel_gaps(events: list[dict], t0: float) -> list[tuple[float, float]]:
     """(start s from t0, length s) of each stretch over GAP_S with no kernel running."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "kernel")
-    gaps, end = [], spans[0][1] if spans else 0
-    for start, stop in spans[1:]:
-        if (start - end) / 1e6 > GAP_S:
-            gaps.append(((end - t0) / 1e6, (start - end) / 1e6))
-        end = max(end, stop)
-    return gaps
+    _, gaps = busy_and_gaps(sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "kernel"))
+    return [((start - t0) / 1e6, length / 1e6) for start, length in gaps if length / 1e6 > GAP_S]
 
 
 def analyse(trace: dict) -> dict:

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from profile_offload import busy_and_gaps, gpu_events
+
 METHODS = ("stock_checkpointing", "um_checkpointing", "um_budget_checkpointing", "stock_planner_recompute",
            "planner_recompute", "planner_recompute_plain_loss", "planner")
 MODELS = ("gpt2", "llama")
@@ -70,29 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- the trace --
 
-def gpu_intervals(events: list[dict]) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of every kernel, copy and memset in a Chrome trace's events."""
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-
-
-def busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
-    """The union's length, and the gaps between its stretches, longest first (microseconds)."""
-    busy, gaps = 0.0, []
-    start = end = None
-    for s, e in intervals:
-        if end is None or s > end:
-            if end is not None:
-                busy += end - start
-                gaps.append(s - end)
-            start, end = s, e
-        else:
-            end = max(end, e)
-    if end is not None:
-        busy += end - start
-    return busy, sorted(gaps, reverse=True)
-
-
 def totals(events: list[dict], categories: tuple[str, ...], width: int) -> dict[str, list]:
     """Name -> [calls, microseconds] over the events of these categories."""
     out: dict[str, list] = {}
@@ -104,13 +83,15 @@ def totals(events: list[dict], categories: tuple[str, ...], width: int) -> dict[
     return out
 
 
-def summarize(events: list[dict], steps: int = PROFILED_STEPS) -> dict:
+def summarize(trace: dict, steps: int = PROFILED_STEPS) -> dict:
     """Per step, in milliseconds: the GPU's span, busy time and gaps; the kernels and host calls
     that take the longest ([name, calls, ms])."""
-    intervals = gpu_intervals(events)
+    events = trace["traceEvents"]
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu_events(trace))
     if not intervals:
         raise ValueError("the trace holds no GPU activity: was CUDA profiled?")
     busy, gaps = busy_and_gaps(intervals)
+    gaps = sorted((length for _, length in gaps), reverse=True)
 
     def top(found: dict) -> list:
         rows = [[name, calls // steps, round(us / 1e3 / steps, 3)] for name, (calls, us) in found.items()]
@@ -214,14 +195,14 @@ def run(args) -> dict:
         trace = Path(args.trace or folder) / f"trace_{args.model}_{args.method}.json"
         trace.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+        traced = json.loads(trace.read_text())
     timed = slice(args.warmup, args.steps)
     record = {"model": args.model, "method": args.method, "budget": args.budget,
               "device": torch.cuda.get_device_name(),
               **({"checkpoint_layers": args.checkpoint_layers} if args.method.endswith("checkpointing") else {}),
               "step_ms": round(1e3 * statistics.median(host[timed]), 2),
               "gpu_step_ms": round(1e3 * statistics.median(gpu[timed]), 2),
-              "step_ms_each": [round(1e3 * s, 1) for s in host], "profile": summarize(events)}
+              "step_ms_each": [round(1e3 * s, 1) for s in host], "profile": summarize(traced)}
     if planner is not None and planner.plan is not None:
         summary = planner.to_dict()
         record.update(plan=summary["plan"]["decisions"], predicted_ms=1e3 * summary["plan"]["predicted_step_s"],
