@@ -15,6 +15,9 @@ Methods (a plain loop: bf16 autocast, fused AdamW, batch 8 of 1024 tokens, the l
   planner_recompute         um_alloc (planner.yaml) under --budget, the same
   planner_recompute_plain_loss   the same without the lean loss
   planner                   um_alloc under --budget, the planner's own plan
+  planner_selective         the same, with the selective decisions allowed too
+--force DECISION makes a planner method run DECISION for every block once the planner has
+measured (BlockPlanner.force; gaps kept), to time one decision against another.
 
 Models: gpt2 (GPT-2-medium, 24 layers, vocabulary 50,257) and llama (bench/zoo_train.py's).
 Each run appends one JSON line to --out: the median step of steps --warmup to --steps on the
@@ -35,7 +38,8 @@ from pathlib import Path
 from profile_offload import busy_and_gaps, gpu_events
 
 METHODS = ("stock_checkpointing", "um_checkpointing", "um_budget_checkpointing", "stock_planner_recompute",
-           "planner_recompute", "planner_recompute_plain_loss", "planner")
+           "planner_recompute", "planner_recompute_plain_loss", "planner", "planner_selective")
+FORCED = ("keep", "rebuild", "recompute", "selective")
 MODELS = ("gpt2", "llama")
 PROFILED_STEPS = 2
 GAP_US = 50        # idle stretches of the GPU shorter than this are launch latency, not waiting
@@ -52,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=26)
     p.add_argument("--warmup", type=int, default=14, help="steps left out of the median (the planner measures "
                    "and tries plans in its first steps)")
+    p.add_argument("--force", choices=FORCED, help="planner methods: every block this decision, from the "
+                   "step after the planner's measuring steps")
     p.add_argument("--out", help="append the record to this JSON-lines file")
     p.add_argument("--trace", help="also keep the profiler's trace, in this folder")
     p.add_argument("--compare", nargs=4, metavar=("JSONL", "MODEL", "METHOD_A", "METHOD_B"),
@@ -63,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--model and --method are required (or --compare)")
     if args.method.startswith(("um_budget", "planner")) and args.budget is None:
         p.error(f"--method {args.method} needs --budget")
+    if args.force and not args.method.startswith("planner"):
+        p.error(f"--force applies to the planner methods, not --method {args.method}")
     if args.checkpoint_layers != "all" and not args.checkpoint_layers.isdigit():
         p.error(f"--checkpoint-layers must be a number of layers or 'all'; got {args.checkpoint_layers!r}")
     if not 0 <= args.warmup < args.steps:
@@ -158,14 +166,19 @@ def prepare(args):
         zoo_train.checkpointed_layers(model, args.checkpoint_layers)
     else:
         import um_alloc.planner as planning
-        planner = planning.plan(model, budget or 40 << 30, strategy="auto" if args.method == "planner" else "checkpoint",
-                                lean_loss=args.method != "planner_recompute_plain_loss")
+        every = list(planning.Decision) if args.method == "planner_selective" else None
+        planner = planning.plan(model, budget or 40 << 30,
+                                strategy="auto" if args.method in ("planner", "planner_selective") else "checkpoint",
+                                lean_loss=args.method != "planner_recompute_plain_loss",
+                                decisions=[d.value for d in every] if every else None)
     return model, optimizer, planner
 
 
 def run(args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from um_alloc.planner.director import CALIBRATION_STEPS
 
     model, optimizer, planner = prepare(args)
     vocab = 50257 if args.model == "gpt2" else 32000
@@ -176,6 +189,8 @@ def run(args) -> dict:
         if step == args.steps:
             profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             profiler.start()
+        if args.force and step == CALIBRATION_STEPS + 1:  # the plan is made as the step after them begins
+            planner.force(args.force)
         begun = time.perf_counter()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -199,6 +214,7 @@ def run(args) -> dict:
     timed = slice(args.warmup, args.steps)
     record = {"model": args.model, "method": args.method, "budget": args.budget,
               "device": torch.cuda.get_device_name(),
+              **({"forced": args.force} if args.force else {}),
               **({"checkpoint_layers": args.checkpoint_layers} if args.method.endswith("checkpointing") else {}),
               "step_ms": round(1e3 * statistics.median(host[timed]), 2),
               "gpu_step_ms": round(1e3 * statistics.median(gpu[timed]), 2),
@@ -206,7 +222,8 @@ def run(args) -> dict:
     if planner is not None and planner.plan is not None:
         summary = planner.to_dict()
         record.update(plan=summary["plan"]["decisions"], predicted_ms=1e3 * summary["plan"]["predicted_step_s"],
-                      trials=summary.get("trials"))
+                      trials=summary.get("trials"), units=summary["plan"]["units"],
+                      calibration=summary.get("calibration"))
     return record
 
 
