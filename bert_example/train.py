@@ -33,6 +33,7 @@ from bert_example.data import IGNORE, make_source  # noqa: E402
 from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
 from bert_example.summary import device_used, print_summary, summarize  # noqa: E402,F401
 from um_alloc.floor import BudgetBelowFloor  # noqa: E402
+from um_alloc.planner import PlanInfeasible  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
                                   check_parallel, check_policy, memory_limit_bytes, size_bytes, warmup_steps)
 from bert_example.parallel import Parallel, device_of_rank  # noqa: E402
@@ -384,6 +385,9 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"train.py: out of GPU memory: {error}\nhint: lower --batch-size, raise --memory-limit, stream "
               "micro-batches with --micro-batch auto, or under a --budget try --policy large_batch.yaml",
               file=sys.stderr)
+        return EXIT_OOM
+    except PlanInfeasible as error:  # the planner's safe mode does not fit this batch at this budget
+        print(f"train.py: out of GPU memory: {error}", file=sys.stderr)
         return EXIT_OOM
     except KeyboardInterrupt as interrupt:  # a bare one came before the first step or after the last
         print(f"\n{interrupt}" if isinstance(interrupt, TrainingInterrupted)

@@ -70,3 +70,11 @@ def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):
     assert result["retried"] >= 1
     assert result["margin_after"] > result["margin_before"]
     assert len(result["losses"]) == 6 and all(math.isfinite(x) for x in result["losses"])
+
+
+def test_large_batch_policy_plans_with_host_optimizer_state_and_a_spilled_head(cuda_device):
+    result = _check("large_batch")
+    assert result["planned"] == result["plain"]
+    assert sum(result["plan"].values()) == 6 + 3
+    assert result["spill_peak_bytes"] > 0 and result["spill_resident_bytes"] == 0  # logits lived in host memory
+    assert result["optimizer_state_bytes"] > 0 and result["optimizer_state_resident_bytes"] == 0

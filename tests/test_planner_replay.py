@@ -241,6 +241,7 @@ def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller
         errors.append(info.value)
     assert [type(e) for e in errors] == [torch.OutOfMemoryError, torch.OutOfMemoryError, PlanInfeasible]
     assert "ran out of memory 2 times for input 8x16, 8x16" in str(errors[-1])
+    assert str(errors[-1]).endswith("lower the batch or keep optimizer state in host memory (host_optimizer.yaml)")
     losses = train(model, optimizer, 4)
     assert planner.plan is not None  # calibrated and planned: the refused shape left no trace
 
@@ -403,3 +404,16 @@ def test_calibration_counts_the_copies_back_each_stretch_of_backward_held_all_th
     moved = sum(u.input_bytes + (u.saved_bytes if u.kind == "gap" else 0) for u in units)
     assert all(a <= moved for a in held_back)
     planner.remove()
+
+
+def test_a_refused_batch_does_not_suggest_host_optimizer_state_to_a_policy_that_has_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from um_alloc.planner import director
+    from um_alloc.policy import load_policy
+
+    for name, hint in (("large_batch", "lower the batch"),
+                       ("planner", "lower the batch or keep optimizer state in host memory (host_optimizer.yaml)")):
+        monkeypatch.setattr(director, "is_installed", lambda: True)
+        monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=load_policy(name)))
+        assert director._lighter_hint() == hint, name

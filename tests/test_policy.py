@@ -48,10 +48,11 @@ def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
         {t: best.tags[t] for t in TAGS if t != "optimizer_state"}
 
 
-def test_large_batch_is_host_optimizer_with_the_offload_and_a_spilled_head():
+def test_large_batch_is_host_optimizer_with_the_planner_and_a_spilled_head():
     host, large = load_policy("host_optimizer"), load_policy("large_batch")
     assert dict(large.tags) == dict(host.tags)
-    assert large.scheduler.offload_activations and large.scheduler.evict_live is False
+    assert large.scheduler.strategy == "auto" and not large.scheduler.offload_activations
+    assert large.scheduler.evict_live is False
     assert large.scheduler.spill_min_size == 256 * MiB and host.scheduler.spill_min_size is None
 
 

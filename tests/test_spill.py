@@ -129,5 +129,5 @@ def test_a_policy_that_spills_must_place_the_spill_tag_in_host_memory():
                               source="p.yaml", name="p")
     assert policy.scheduler.spill_min_size == 256 * MiB
     shipped = load_policy("large_batch")
-    assert shipped.scheduler.spill_min_size == 256 * MiB and shipped.scheduler.offload_activations
+    assert shipped.scheduler.spill_min_size == 256 * MiB and shipped.scheduler.strategy == "auto"
     assert load_policy("best").scheduler.spill_min_size is None  # best.yaml places spill, spills nothing

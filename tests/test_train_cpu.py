@@ -292,3 +292,17 @@ def test_trace_writes_a_chrome_trace_of_the_last_step(tmp_path):
     with gzip.open(path, "rt") as file:
         events = json.load(file)["traceEvents"]
     assert any(event.get("cat") == "cpu_op" and event["name"].startswith("aten::") for event in events)
+
+
+def test_a_batch_the_planner_cannot_fit_exits_as_out_of_memory(monkeypatch, capsys):
+    """The planner refuses a batch whose safe mode ran out of memory twice: train.py ends as it
+    does for any out-of-memory step, with EXIT_OOM and one line (what bench/ searches test for)."""
+    from um_alloc.planner import PlanInfeasible
+
+    def refused(*args):
+        raise PlanInfeasible("budget 8.0 GiB: the safe mode (every block recomputed, activations in host "
+                             "memory) ran out of memory 2 times for input 192x512; lower the batch", 0)
+
+    monkeypatch.setattr(train, "build_training", refused)
+    assert train.cli(TINY + ["--steps", "1"]) == train.EXIT_OOM
+    assert "train.py: out of GPU memory: budget 8.0 GiB: the safe mode" in capsys.readouterr().err

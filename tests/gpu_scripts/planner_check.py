@@ -7,6 +7,7 @@
     python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
     python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
     python tests/gpu_scripts/planner_check.py arenas  # between steps the step arenas are wholly free
+    python tests/gpu_scripts/planner_check.py large_batch  # large_batch.yaml: host optimizer state, spilled head
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -212,8 +213,28 @@ def gpt2() -> dict:
             "lean_loss_upcasts": summary["lean_loss_upcasts"]}
 
 
+def large_batch() -> dict:
+    """large_batch.yaml's three parts at once: the planner, AdamW's moments in host memory mapped
+    for the GPU, and the MLM head's large allocations spilled to host memory (here those of at
+    least 1 MiB, so that the small model's logits spill)."""
+    def make():
+        model, optimizer = bert()
+        um_alloc.tag_training(model, optimizer)
+        um_alloc.spill_from(model.cls, min_size="1MiB")
+        return model, optimizer
+
+    losses, planner = side_by_side(make, lambda data: torch.randint(5, 1024, (16, 128), generator=data))
+    tags = um_alloc.memory_stats()["tags"]
+    return {**losses, "plan": planner.plan.counts(), "spill_peak_bytes": tags["spill"]["peak_bytes"],
+            "spill_resident_bytes": tags["spill"]["resident_bytes"],
+            "optimizer_state_bytes": tags["optimizer_state"]["live_bytes"],
+            "optimizer_state_resident_bytes": tags["optimizer_state"]["resident_bytes"]}
+
+
+MODES = {"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean, "lengths": lengths, "arenas": arenas,
+         "gpt2": gpt2, "large_batch": large_batch}
+
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
-    um_alloc.install("best.yaml", budget="4GiB")
-    print(json.dumps({"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean,
-                      "lengths": lengths, "arenas": arenas, "gpt2": gpt2}[sys.argv[1]]()))
+    um_alloc.install("large_batch.yaml" if sys.argv[1] == "large_batch" else "best.yaml", budget="4GiB")
+    print(json.dumps(MODES[sys.argv[1]]()))

@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from ..install import installation, is_installed
 from ..offload import STAGE_BYTES
+from ..policy import host_mapped
 from .. import arguments
 from ..errors import At
 from ..sizes import format_size
@@ -171,8 +172,7 @@ class BlockPlanner:
         if shape.failures >= 2:
             raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
                                  f"activations in host memory) ran out of memory {shape.failures} times for "
-                                 f"input {_shape_text(signature)}; lower the batch or keep optimizer state in "
-                                 "host memory (host_optimizer.yaml)", 0)
+                                 f"input {_shape_text(signature)}; {_lighter_hint()}", 0)
         follows, self._last_shape = self._last_shape is shape, shape
         shape.seen += 1
         self._borrowing = None
@@ -505,6 +505,13 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
 # and the bytes of everything else come from the second.
 _FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s",
                        "rebuild_forward_cpu_s")
+
+
+def _lighter_hint() -> str:
+    """What would make a step that does not fit lighter, leaving out what the policy already does."""
+    if is_installed() and host_mapped(installation().policy.tags["optimizer_state"]):
+        return "lower the batch"
+    return "lower the batch or keep optimizer state in host memory (host_optimizer.yaml)"
 
 
 def _input_shapes(recorder: StepRecorder) -> list:
