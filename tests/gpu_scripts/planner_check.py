@@ -226,9 +226,7 @@ def large_batch() -> dict:
     losses, planner = side_by_side(make, lambda data: torch.randint(5, 1024, (16, 128), generator=data))
     tags = um_alloc.memory_stats()["tags"]
     return {**losses, "plan": planner.plan.counts(), "spill_peak_bytes": tags["spill"]["peak_bytes"],
-            "spill_resident_bytes": tags["spill"]["resident_bytes"],
-            "optimizer_state_bytes": tags["optimizer_state"]["live_bytes"],
-            "optimizer_state_resident_bytes": tags["optimizer_state"]["resident_bytes"]}
+            "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
 MODES = {"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean, "lengths": lengths, "arenas": arenas,
