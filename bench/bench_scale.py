@@ -59,9 +59,13 @@ def main(argv=None) -> None:
     names = {id(stock): "stock", id(checkpointed): "checkpointing", id(um): "um_alloc"}
     for summary in (stock, checkpointed, um):
         record = mb.result(summary, stock["samples_per_s"], run_id)
+        planner = summary.get("planner") or {}
         record.update(limit_as="hard budget" if summary is um else "memory_fraction",
-                      batch_ratio_vs_stock=summary["batch"] / stock["batch"],
-                      plan=(summary.get("planner") or {}).get("plan"))
+                      batch_ratio_vs_stock=summary["batch"] / stock["batch"], plan=planner.get("plan"),
+                      # the planner's own clock (forward to forward, as it predicts), and what its plan
+                      # came from: make_plan(calibration_from_dict(...), budget) plans it again
+                      planner_measured_step_s=planner.get("measured_step_s"), calibration=planner.get("calibration"),
+                      trials=planner.get("trials"))
         if summary is checkpointed:
             record.update(method="stock+checkpointing", checkpointing=summary.get("checkpointing"))
         if summary is um:  # the search stops at the cap: a larger batch may train too
