@@ -56,26 +56,30 @@ def main(argv=None) -> None:
                                                          checkpointed_extra), checkpointed_extra)
     um_batch = mb.search(args, "um", args.um_start, args.um_max_batch, 4, um_extra)  # 2 measure
     um = mb.timed_run(args, "um", um_batch, um_extra)
-    names = {id(stock): "stock", id(checkpointed): "checkpointing", id(um): "um_alloc"}
-    for summary in (stock, checkpointed, um):
+    for name, summary in (("stock", stock), ("checkpointing", checkpointed), ("um_alloc", um)):
         record = mb.result(summary, stock["samples_per_s"], run_id)
-        planner = summary.get("planner") or {}
         record.update(limit_as="hard budget" if summary is um else "memory_fraction",
-                      batch_ratio_vs_stock=summary["batch"] / stock["batch"], plan=planner.get("plan"),
-                      # the planner's own clock (forward to forward, as it predicts), and what its plan
-                      # came from: make_plan(calibration_from_dict(...), budget) plans it again
-                      planner_measured_step_s=planner.get("measured_step_s"), calibration=planner.get("calibration"),
-                      trials=planner.get("trials"))
+                      batch_ratio_vs_stock=summary["batch"] / stock["batch"])
         if summary is checkpointed:
             record.update(method="stock+checkpointing", checkpointing=summary.get("checkpointing"))
         if summary is um:  # the search stops at the cap: a larger batch may train too
-            record.update(largest_probe=args.um_max_batch, reached_largest_probe=um_batch >= args.um_max_batch)
-        print(f"wrote {write_result(f'scale-{args.budget}-' + names[id(summary)], record, args.out)}")
+            record.update(largest_probe=args.um_max_batch, reached_largest_probe=um_batch >= args.um_max_batch,
+                          activation_offload=summary.get("activation_offload"), **planner_fields(summary))
+        print(f"wrote {write_result(f'scale-{args.budget}-{name}', record, args.out)}")
     print(f"\nlargest batch at {args.budget}: stock {stock['batch']} ({stock['samples_per_s']:.1f} samples/s), "
           f"every layer checkpointed {checkpointed['batch']} ({checkpointed['samples_per_s']:.1f}), "
           f"um_alloc {um['batch']} ({um['samples_per_s']:.1f}): {um['batch'] / stock['batch']:.1f}x stock's batch, "
           f"{um['batch'] / checkpointed['batch']:.1f}x checkpointing's"
           + (f" (um_alloc's search stops at --um-max-batch {args.um_max_batch})" if um_batch >= args.um_max_batch else ""))
+
+
+def planner_fields(summary: dict) -> dict:
+    """The plan, its measured step on the planner's own clock (forward to forward, as it predicts)
+    and what it came from: make_plan(calibration_from_dict(...), budget) plans it again."""
+    planner = summary.get("planner") or {}
+    return {"plan": planner.get("plan"), "planner_measured_step_s": planner.get("measured_step_s"),
+            "calibration": planner.get("calibration"), "trials": planner.get("trials")}
+
 
 if __name__ == "__main__":
     main()
