@@ -51,13 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train(args, allocator: str, batch: int, steps: int, warmup: int, extra=()) -> dict | None:
+def train(args, allocator: str, batch: int, steps: int, warmup: int, extra=(), label: str | None = None
+          ) -> dict | None:
     """One train.py run in a subprocess; its summary, or None if it ran out of memory.
-    `extra` carries the limit for um_alloc runs; stock runs get --memory-limit."""
+    `extra` carries the limit for um_alloc runs; stock runs get --memory-limit. `label` names the
+    run in the log (default: the allocator)."""
     limit = ["--memory-limit", args.memory_limit] if allocator == "stock" else []
     train_args = ["--model", "large", "--seq-len", str(args.seq_len), "--allocator", allocator, *limit,
                   "--batch-size", str(batch), "--steps", str(steps), "--warmup-steps", str(warmup), *extra]
-    summary, status, note = run_train(Run(f"{allocator} b{batch}", "", train_args), 1800)
+    summary, status, note = run_train(Run(f"{label or allocator} b{batch}", "", train_args), 1800)
     if status not in ("ok", "oom"):
         raise RuntimeError(f"train.py {' '.join(train_args)}: {status}: {note}")
     return summary
@@ -72,30 +74,34 @@ def _line(label: str, summary: dict | None) -> str:
             f"{gib(summary['device_used_delta_bytes'])}, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
 
 
-def search(args, allocator: str, start: int, limit: int, probe_steps: int = 2, extra=()) -> int:
+def search(args, allocator: str, start: int, limit: int, probe_steps: int = 2, extra=(),
+           label: str | None = None) -> int:
     """The largest batch that trains `probe_steps` steps (harness.largest_batch: each probe a run
     of its own, so an out-of-memory never poisons the next probe)."""
+    label = label or allocator
+
     def probe(batch: int) -> bool:
-        summary = train(args, allocator, batch, steps=probe_steps, warmup=probe_steps - 1, extra=extra)
-        print(_line(f"[{allocator} probe] batch {batch}", summary), flush=True)
+        summary = train(args, allocator, batch, steps=probe_steps, warmup=probe_steps - 1, extra=extra, label=label)
+        print(_line(f"[{label} probe] batch {batch}", summary), flush=True)
         return summary is not None
 
     fits = largest_batch(probe, start, limit)
     if fits == 0:
-        raise RuntimeError(f"{allocator} cannot train even batch 1 in {args.memory_limit}")
+        raise RuntimeError(f"{label} cannot train even batch 1 in {args.memory_limit}")
     return fits
 
 
-def timed_run(args, allocator: str, batch: int, extra=()) -> dict:
+def timed_run(args, allocator: str, batch: int, extra=(), label: str | None = None) -> dict:
     """The timed run of `batch`, the largest a probe fitted; a longer run can still fail right at
     the edge, so it steps down until one fits."""
+    label = label or allocator
     while batch > 0:
-        summary = train(args, allocator, batch, args.steps, args.warmup_steps, extra)
-        print(_line(f"[{allocator}] batch {batch}, {args.steps} steps", summary), flush=True)
+        summary = train(args, allocator, batch, args.steps, args.warmup_steps, extra, label=label)
+        print(_line(f"[{label}] batch {batch}, {args.steps} steps", summary), flush=True)
         if summary is not None:
             return summary
         batch -= 1
-    raise RuntimeError(f"{allocator}: a probe fitted but no {args.steps}-step run did")
+    raise RuntimeError(f"{label}: a probe fitted but no {args.steps}-step run did")
 
 
 def run_stock(args) -> dict:

@@ -52,8 +52,9 @@ def main(argv=None) -> None:
     stock_batch = mb.search(args, "stock", args.stock_start, args.max_batch, 2, stock_extra)
     stock = mb.timed_run(args, "stock", stock_batch, stock_extra)
     checkpointed_extra = [*stock_extra, "--checkpointing"]
-    checkpointed = mb.timed_run(args, "stock", mb.search(args, "stock", args.checkpointing_start, args.max_batch, 2,
-                                                         checkpointed_extra), checkpointed_extra)
+    checkpointed_batch = mb.search(args, "stock", args.checkpointing_start, args.max_batch, 2, checkpointed_extra,
+                                   label="checkpointing")
+    checkpointed = mb.timed_run(args, "stock", checkpointed_batch, checkpointed_extra, label="checkpointing")
     um_batch = mb.search(args, "um", args.um_start, args.um_max_batch, 4, um_extra)  # 2 measure
     um = mb.timed_run(args, "um", um_batch, um_extra)
     for name, summary in (("stock", stock), ("checkpointing", checkpointed), ("um_alloc", um)):

@@ -32,11 +32,12 @@ def summary(method: str, batch: int) -> dict:
 def test_each_method_is_searched_then_trained_and_written_with_one_run_id(tmp_path, monkeypatch, capsys):
     searched, trained = [], []
 
-    def search(args, allocator, start, limit, probe_steps=2, extra=()):
+    def search(args, allocator, start, limit, probe_steps=2, extra=(), label=None):
+        assert label == ("checkpointing" if "--checkpointing" in extra else None)  # how its log names it
         searched.append((method_of(allocator, extra), start, limit, probe_steps))
         return LARGEST[method_of(allocator, extra)]
 
-    def timed_run(args, allocator, batch, extra=()):
+    def timed_run(args, allocator, batch, extra=(), label=None):
         trained.append((method_of(allocator, extra), batch))
         return summary(method_of(allocator, extra), batch)
 

@@ -24,7 +24,11 @@ from .policy import Policy, host_mapped
 from .sizes import format_size
 from .tensor_trees import local_shard
 
-__all__ = ["Floor", "BudgetBelowFloor", "floor_of", "check_budget"]
+__all__ = ["Floor", "BudgetBelowFloor", "floor_of", "check_budget", "HOST_OPTIMIZER_HINT"]
+
+# What frees the most GPU memory a step cannot recompute or move, where the policy keeps the
+# optimizer's state on the GPU.
+HOST_OPTIMIZER_HINT = "keep optimizer state in host memory (host_optimizer.yaml)"
 
 _SMALL_ALIGNMENT = 512  # csrc/chunk_pool.cpp: small requests are rounded to this
 
@@ -95,7 +99,7 @@ def check_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 def _refusal(budget: int, floor: Floor, policy: Policy) -> str:
     hint = "raise the budget, train a smaller model"
     if floor.optimizer_state:
-        hint += ", or keep optimizer state in host memory (host_optimizer.yaml)"
+        hint += ", or " + HOST_OPTIMIZER_HINT
     return (f"GPU budget {format_size(budget)} ({budget} bytes) is below what stays on the GPU all step under "
             f"policy {policy.name!r}: {floor.text()}. Nothing of these can be recomputed or moved under a hard "
             f"budget, so training would run out of memory in its first step; {hint}")

@@ -50,6 +50,7 @@ from ..offload import STAGE_BYTES
 from ..policy import host_mapped
 from .. import arguments
 from ..errors import At
+from ..floor import HOST_OPTIMIZER_HINT
 from ..sizes import format_size
 from ..wrappers import unwrap_model
 from .blocks import Unit, find_units
@@ -511,7 +512,7 @@ def _lighter_hint() -> str:
     """What would make a step that does not fit lighter, leaving out what the policy already does."""
     if is_installed() and host_mapped(installation().policy.tags["optimizer_state"]):
         return "lower the batch"
-    return "lower the batch or keep optimizer state in host memory (host_optimizer.yaml)"
+    return "lower the batch or " + HOST_OPTIMIZER_HINT
 
 
 def _input_shapes(recorder: StepRecorder) -> list:
