@@ -147,7 +147,7 @@ def test_profile_offload_sums_busy_time_per_kind_and_finds_idle_gaps():
 def test_a_timed_run_steps_down_from_a_batch_that_fails_at_the_edge(monkeypatch):
     tried = []
 
-    def train(args, allocator, batch, steps, warmup, extra=()):
+    def train(args, allocator, batch, steps, warmup, extra=(), label=None):
         tried.append(batch)
         return {"batch": batch, "samples_per_s": 1.0, "step_s_median": 1.0, "peak_reserved_bytes": 0,
                 "device_used_delta_bytes": 0, "loss_first": 1.0, "loss_last": 1.0} if batch <= 11 else None
