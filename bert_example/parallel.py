@@ -64,8 +64,13 @@ class Parallel:
                                 device_id=device if device.type == "cuda" else None)
         try:
             yield cls(kind, dist.get_rank(), dist.get_world_size())
-        finally:
-            dist.destroy_process_group()
+        except BaseException:
+            dist.destroy_process_group()  # no barrier: the other ranks may never reach it
+            raise
+        # The ranks leave together, with no collective of theirs still in flight: a rank that
+        # took its group down while gloo's threads still held work could abort the process.
+        dist.barrier()
+        dist.destroy_process_group()
 
     @property
     def is_first(self) -> bool:

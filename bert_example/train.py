@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from bert_example.checkpoints import (CHECKPOINT, PREVIOUS, Progress, checkpoint_state,  # noqa: E402,F401
                                       load_checkpoint, restore)
-from bert_example.data import IGNORE, make_source  # noqa: E402
+from bert_example.data import IGNORE, SyntheticTokens, TextTokens, make_source  # noqa: E402
 from bert_example.measure import PhaseClock, link_rates, trace_last_step  # noqa: E402
 from bert_example.summary import device_used, print_summary, summarize  # noqa: E402,F401
 from um_alloc.floor import BudgetBelowFloor  # noqa: E402
@@ -37,6 +38,9 @@ from um_alloc.planner import PlanInfeasible  # noqa: E402
 from bert_example.options import (MAX_SEQ_LEN, MODELS, budget_value, build_parser, check_args,  # noqa: E402,F401
                                   check_parallel, check_policy, memory_limit_bytes, size_bytes, warmup_steps)
 from bert_example.parallel import Parallel, device_of_rank  # noqa: E402
+
+if TYPE_CHECKING:
+    from um_alloc.profile.training import TrainingProfiler
 
 EXIT_OOM = 3           # exit status when the GPU runs out of memory (bench scripts test for it)
 EXIT_INTERRUPTED = 130  # exit status after Ctrl-C (SIGINT): 128 + 2, as a shell reports a run it ended
@@ -331,49 +335,80 @@ def main(argv: list[str] | None = None) -> dict:
     profiler = TrainingProfiler.from_args(args, torch.device(args.device).index or 0)  # before CUDA work
     device = setup_device(parser, args, limit)  # from here on: CUDA work
     used_before = device_used(device)
+    job = Job(parser, args, source, checkpoint, profiler, device, limit, window, used_before)
+    del checkpoint  # the job holds it until the model has it
     with Parallel.joined(args.parallel, device) as parallel:  # None without --parallel
-        try:
-            model, optimizer, planner = build_training(args, source.vocab_size, device, parallel)
-        except BudgetBelowFloor as error:
-            parser.error(str(error))
-        first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
-        del checkpoint
-        progress = Progress(args.steps, args.checkpoint, done=first_step, saved=first_step if args.resume else None)
+        # A function of its own: the model and the optimizer are freed when it returns, before
+        # the process group is taken down, not at the interpreter's exit.
+        return train_job(job, parallel)
 
-        def on_step_done(done: int) -> None:
-            progress.done = done
-            if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
-                progress.save(checkpoint_state(done, model, optimizer, source, device, args))
 
-        step_fn, streamer, offload, clock = build_step(args, model, optimizer, device, limit, window, parallel)
-        rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
-        step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
-        step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
-        # Under --parallel a rank that ran out of memory cannot run its step again alone: the others
-        # are inside that step's collectives. Its error ends the run, and torchrun ends the others.
-        retry = (lambda: optimizer.zero_grad(set_to_none=True)) if planner and not parallel else None
-        try:
-            losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry,
-                                         show_progress=parallel is None or parallel.is_first)
-        except KeyboardInterrupt as interrupt:
-            raise TrainingInterrupted(progress.interrupted_text()) from interrupt
-        summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
-        summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing),
-                       **profiler.finish(args.warmup_steps))
-        if planner is not None:
-            summary["planner"] = planner.to_dict()
-            summary["plan_table"] = planner.table()
-        if offload is not None:
-            summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
-                                             **dataclasses.asdict(offload.stats)}
-        summary.update(clock.summary(args.warmup_steps) if clock else {})
-        if rates:
-            summary["link_rates"] = rates
-        if args.trace:
-            summary["trace"] = args.trace
-        if parallel is not None:
-            parallel.summarize(summary)
-        return write_summary(summary, args, profiler, parallel)
+@dataclasses.dataclass
+class Job:
+    """What main() readies before any CUDA work: the checked arguments, the data, the resume point."""
+    parser: argparse.ArgumentParser
+    args: argparse.Namespace
+    source: SyntheticTokens | TextTokens
+    checkpoint: dict | None
+    profiler: TrainingProfiler
+    device: torch.device
+    limit: int | None
+    window: int | None
+    used_before: int | None
+
+    def take_checkpoint(self) -> dict | None:
+        """The resume point, given up by the job: its tensors live no longer than the restore."""
+        checkpoint, self.checkpoint = self.checkpoint, None
+        return checkpoint
+
+
+def train_job(job: Job, parallel: Parallel | None) -> dict:
+    """Builds the model, trains it and returns the run's summary (written by the first rank)."""
+    parser, args, source, profiler, device = job.parser, job.args, job.source, job.profiler, job.device
+    limit, window, used_before = job.limit, job.window, job.used_before
+    checkpoint = job.take_checkpoint()
+    try:
+        model, optimizer, planner = build_training(args, source.vocab_size, device, parallel)
+    except BudgetBelowFloor as error:
+        parser.error(str(error))
+    first_step = restore(parser, checkpoint, model, optimizer, device, args) if checkpoint else 0
+    del checkpoint
+    progress = Progress(args.steps, args.checkpoint, done=first_step, saved=first_step if args.resume else None)
+
+    def on_step_done(done: int) -> None:
+        progress.done = done
+        if args.checkpoint and (done % args.checkpoint_every == 0 or done == args.steps):
+            progress.save(checkpoint_state(done, model, optimizer, source, device, args))
+
+    step_fn, streamer, offload, clock = build_step(args, model, optimizer, device, limit, window, parallel)
+    rates = link_rates(device) if args.link_rates else None  # before the profiler: set-up, not a step
+    step_fn = profiler.wrap(step_fn, model, optimizer, steps=args.steps - first_step)
+    step_fn = trace_last_step(step_fn, args.trace, args.steps - first_step) if args.trace else step_fn
+    # Under --parallel a rank that ran out of memory cannot run its step again alone: the others
+    # are inside that step's collectives. Its error ends the run, and torchrun ends the others.
+    retry = (lambda: optimizer.zero_grad(set_to_none=True)) if planner and not parallel else None
+    try:
+        losses, seconds = train_loop(args, step_fn, source, first_step, on_step_done, retry,
+                                     show_progress=parallel is None or parallel.is_first)
+    except KeyboardInterrupt as interrupt:
+        raise TrainingInterrupted(progress.interrupted_text()) from interrupt
+    summary = summarize(args, device, first_step, losses, seconds, streamer, limit, used_before)
+    summary.update(offload=args.offload, checkpointing=checkpointing_text(args.checkpointing),
+                   **profiler.finish(args.warmup_steps))
+    if planner is not None:
+        summary["planner"] = planner.to_dict()
+        summary["plan_table"] = planner.table()
+    if offload is not None:
+        summary["activation_offload"] = {"budget_bytes": offload.budget, "window_bytes": offload.window,
+                                         **dataclasses.asdict(offload.stats)}
+    summary.update(clock.summary(args.warmup_steps) if clock else {})
+    if rates:
+        summary["link_rates"] = rates
+    if args.trace:
+        summary["trace"] = args.trace
+    if parallel is not None:
+        parallel.summarize(summary)
+    return write_summary(summary, args, profiler, parallel)
 
 
 def cli(argv: list[str] | None = None) -> int:
