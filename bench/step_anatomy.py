@@ -13,6 +13,8 @@ Methods (a plain loop: bf16 autocast, fused AdamW, batch 8 of 1024 tokens, the l
   um_budget_checkpointing   um_alloc under --budget, the same checkpointing
   stock_planner_recompute   PyTorch's allocator, the planner told to recompute every block
   planner_recompute         um_alloc (planner.yaml) under --budget, the same
+  planner_recompute_checkpoint   the same, every recomputation through torch.utils.checkpoint
+                            (one_node_recompute=False)
   planner_recompute_plain_loss   the same without the lean loss
   planner                   um_alloc under --budget, the planner's own plan
   planner_selective         the same, with the selective decisions allowed too
@@ -38,7 +40,8 @@ from pathlib import Path
 from profile_offload import busy_and_gaps, gpu_events
 
 METHODS = ("stock_checkpointing", "um_checkpointing", "um_budget_checkpointing", "stock_planner_recompute",
-           "planner_recompute", "planner_recompute_plain_loss", "planner", "planner_selective")
+           "planner_recompute", "planner_recompute_checkpoint", "planner_recompute_plain_loss", "planner",
+           "planner_selective")
 FORCED = ("keep", "rebuild", "recompute", "selective")
 MODELS = ("gpt2", "llama")
 PROFILED_STEPS = 2
@@ -170,6 +173,7 @@ def prepare(args):
         planner = planning.plan(model, budget or 40 << 30,
                                 strategy="auto" if args.method in ("planner", "planner_selective") else "checkpoint",
                                 lean_loss=args.method != "planner_recompute_plain_loss",
+                                one_node_recompute=args.method != "planner_recompute_checkpoint",
                                 decisions=[d.value for d in every] if every else None)
     return model, optimizer, planner
 

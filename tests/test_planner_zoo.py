@@ -245,3 +245,60 @@ def test_every_decision_trains_as_plain_autograd_under_autocast(name, decision):
     finally:
         runtime.detach()
     assert same(planned, plain)
+
+
+# A tensor several units read (an encoder's output in every decoder block, T5's position bias,
+# ALBERT's one layer and its weights' casts) takes a share of its gradient from each. Recomputed
+# as one node, a unit's shares are summed before they meet the others': the same sum, added in
+# another order, equal to rounding.
+SHARED_BY_UNITS = {"t5", "bart", "whisper", "albert"}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float64", "autocast"])
+@pytest.mark.parametrize("decision", [Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED], ids=lambda d: d.value)
+@pytest.mark.parametrize("name", ZOO)
+def test_a_unit_recomputed_as_one_node_trains_as_plain_autograd(name, decision, autocast):
+    """The first step recomputes through torch.utils.checkpoint and finds that every block reaches
+    only its arguments and parameters; the second recomputes each as one node (rerun.py)."""
+    model, batch, plain = autocast_reference(name) if autocast else float64_reference(name)
+    units = find_units(model, ZOO[name][3])
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), 1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        assert same(step(model, batch, autocast), plain)
+        assert all(runtime._shown[j] for j, u in enumerate(units) if u.kind == "block")
+        second = step(model, batch, autocast)
+    finally:
+        runtime.detach()
+    if name not in SHARED_BY_UNITS:
+        assert same(second, plain)
+        return
+    (loss, grads), (plain_loss, plain_grads) = second, plain
+    rtol = 2e-2 if autocast else 1e-12  # bfloat16's rounding; float64's
+    scale = max(p.abs().max() for p in plain_grads if p is not None)  # a zero sum may round to 1e-20
+    assert torch.allclose(loss, plain_loss, rtol=rtol)
+    assert all(torch.allclose(g, p, rtol=rtol, atol=rtol * scale) for g, p in zip(grads, plain_grads)
+               if p is not None)
+
+
+def test_a_mixture_of_experts_with_its_balancing_loss_stays_with_checkpoint():
+    """Mixtral's router logits, caught by Hugging Face's hooks inside each layer, feed the
+    balancing loss: they leave the layers other than among their outputs, so the layers stay
+    with torch.utils.checkpoint, which keeps their graph."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                                        experts_implementation="eager", output_router_logits=True,
+                                        router_aux_loss_coef=0.5, **DECODER)
+    model = transformers.MixtralForCausalLM(config).train().double()
+    batch = batch_of("text", torch.float64)
+    plain = step(without_caches(copy.deepcopy(model)), batch)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)), 1 << 20,
+                      min_bytes=1)
+    runtime.attach()
+    try:
+        for _ in range(2):
+            assert same(step(model, batch), plain)
+    finally:
+        runtime.detach()
+    assert [runtime._reruns[j] for j, u in enumerate(units) if u.kind == "block"] == [False, False]

@@ -117,6 +117,10 @@ class BlockPlanner:
             (a Hugging Face model's loss) in row chunks, bit for bit PyTorch's result with 2 GB less
             at BERT-Large's peaks, and from the bf16 logits where the model upcast them
             (um_alloc.planner.lean_loss); default True.
+        one_node_recompute: recompute a block, once its first call has shown that it reaches only
+            its arguments and its own parameters, as one node of the graph (um_alloc.planner.rerun)
+            rather than through torch.utils.checkpoint, which costs the host twice as much; default
+            True. False keeps torch.utils.checkpoint throughout.
 
     Attributes:
         safe_steps: steps run in the safe mode to measure an input (``to_dict()["inputs"]`` says
@@ -129,7 +133,7 @@ class BlockPlanner:
     def __init__(self, model: nn.Module, budget: int | str | None = None, *, strategy: str = "auto",
                  block_classes: list[str] | None = None, margin: int | str = "512MiB",
                  window: int | str = "512MiB", hide_fraction: float = 0.7,
-                 decisions: list[str] | None = None, lean_loss: bool = True):
+                 decisions: list[str] | None = None, lean_loss: bool = True, one_node_recompute: bool = True):
         if not isinstance(model, nn.Module):
             raise _at("model").error("not a torch.nn.Module", received=model)
         self.strategy = arguments.one_of(strategy, _at("strategy"), STRATEGIES)
@@ -139,6 +143,7 @@ class BlockPlanner:
         self.margin = arguments.size(margin, _at("margin"))
         window = arguments.size(window, _at("window"))
         lean_loss = arguments.flag(lean_loss, _at("lean_loss"))
+        one_node_recompute = arguments.flag(one_node_recompute, _at("one_node_recompute"))
         self.allowed = _decisions(decisions)
         _class_names(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
@@ -161,7 +166,7 @@ class BlockPlanner:
         self._after_oom = False                            # a step ran out of memory since
         self._ooms = self._probe.out_of_memory_count()
         self._runtime = Runtime(model, self.units, self.device, self,
-                                window=window, lean_loss=lean_loss)
+                                window=window, lean_loss=lean_loss, one_node_recompute=one_node_recompute)
         self._runtime.attach()
         _ATTACHED[model] = self
 

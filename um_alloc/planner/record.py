@@ -132,11 +132,13 @@ class StepRecorder:
             self.units[unit].backwards.append(index)
         return index
 
-    def pair(self, kind: str, unit: int, start: int, end: int) -> None:
-        """A unit's forward ("forward") or recomputation ("recompute") ran between two marks."""
+    def pair(self, kind: str, unit: int, start: int, end: int, not_saved: int = 0) -> None:
+        """A unit's forward ("forward") or recomputation ("recompute") ran between two marks;
+        `not_saved`: of what a recomputation left live, its outputs that backward does not keep
+        (a rerun as one node holds them until its gradients are taken)."""
         self._pairs.append((kind, unit, start, end))
         if kind == "recompute":
-            self.units[unit].rebuilt_bytes += max(self.marks[end].live - self.marks[start].live, 0)
+            self.units[unit].rebuilt_bytes += max(self.marks[end].live - self.marks[start].live - not_saved, 0)
 
     def kept_op(self, unit: int):
         """A matmul, convolution or attention op starts in a recomputation; call what this returns

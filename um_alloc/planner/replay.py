@@ -8,11 +8,14 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
   and comes back ahead of backward, started as the gradient reaches each unit. What the model saves
   outside every unit (its loss) moves the same way when the plan's last decision says so. Only
   what moves pays for the hooks: a Python call per saved tensor.
-- recompute / selective: it runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state kept, so
-  dropout masks are equal). ``selective`` passes PyTorch's selective-checkpoint modes
-  (selective.py), which keep the outputs of matmuls, convolutions and attention and recompute the
-  rest. BatchNorm's running statistics are not updated a second time by the recomputation. The
-  recomputation reads the inputs as the forward found them, or stops (_Unchanged).
+- recompute / selective: the first time, it runs under ``torch.utils.checkpoint`` (non-reentrant,
+  RNG state kept, so dropout masks are equal), and the recomputation shows what the unit's
+  forward reaches. A unit whose forward reaches nothing but its arguments and its own parameters
+  is from then on recomputed as one node of the graph (rerun.py), which costs the host half as
+  much. ``selective`` passes PyTorch's selective-checkpoint modes (selective.py), which keep the
+  outputs of matmuls, convolutions and attention and recompute the rest. BatchNorm's running
+  statistics are not updated a second time by the recomputation. The recomputation reads the
+  inputs as the forward found them, or stops (_Unchanged).
 - ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
   after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
 
@@ -39,16 +42,18 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..offload import ActivationOffload
-from ..tensor_trees import tensors as _tensors
+from ..tensor_trees import _is_dtensor, tensors as _tensors
 from .arenas import StepArenas
 from .blocks import Unit
 from .lean_loss import LeanLoss
 from .planning import Decision
 from .record import StepRecorder
 from .rebuilt import RebuiltSaves
+from .rerun import MadeTensors, RerunCall, RerunNote, foreign_edges, graph_clock
 from .selective import SAVED_OPS, KeptOpTimer, selective_contexts
 
 __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
@@ -135,7 +140,7 @@ class Runtime:
     """Wraps the units' forwards and the root's hooks; asks the director what each step does."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device, director: Director,
-                 window: int, min_bytes: int = MiB, lean_loss: bool = True):
+                 window: int, min_bytes: int = MiB, lean_loss: bool = True, one_node_recompute: bool = True):
         self.model, self.units, self.device, self.director = model, units, device, director
         self.rest = len(units)                # the decision index of what is saved outside every unit
         self.min_bytes = min_bytes
@@ -154,6 +159,12 @@ class Runtime:
         self.lean_loss = LeanLoss() if lean_loss else None
         self._outside: list | None = None  # what runs outside every unit, in a step's forward
         self._cached: list = []               # the configs whose use_cache attach turned off
+        # Per unit: whether it may be recomputed as one node (rerun.py); None until a call
+        # through torch.utils.checkpoint has shown what its forward reaches. What the calls of a
+        # step show holds from the next step, so that each step recomputes a unit one way.
+        self._reruns: list[bool | None] = [None if one_node_recompute else False for _ in units]
+        self._clean: list[set[int]] = [set() for _ in units]  # per unit: rerun.RerunCall's graph sizes
+        self._shown: dict[int, bool] = {}
 
     # -- attaching --
 
@@ -190,6 +201,9 @@ class Runtime:
             self._step = None  # evaluation: the units run as they are; an open step stays open
             return
         self.close_open_step()
+        for index, shown in self._shown.items():
+            self._reruns[index] = shown
+        self._shown = {}
         spec = self.director.begin(signature, partial)
         if spec is None:
             self._step = None
@@ -320,17 +334,13 @@ class Runtime:
         held_args = [self._park(a, parked) for a in args]
         held_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
-
-        def run(anchor):
-            return forward(*[_unpark(v) for v in held_args], **{k: _unpark(v) for k, v in held_kwargs.items()})
-
-        # The call's arguments live in `run` (checkpoint keeps it until the recomputation) rather
-        # than among checkpoint's own, which it would walk twice a call; the anchor alone tells it
-        # which device's RNG state to keep.
-        context_fn = functools.partial(self._contexts, step, index, decision, parked, inputs)
-        early = set_checkpoint_early_stop(False) if step.spec.full_recompute else contextlib.nullcontext()
-        with early:
-            out = checkpoint(run, self._anchor, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
+        if self._reruns_as_one_node(step, index, decision, inputs, (held_args, held_kwargs)):
+            params = _trained_parameters(self.units[index].module)
+            rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
+            out = RerunCall(self.units[index].name, forward, (held_args, held_kwargs), params, self.device, _unpark,
+                            rerunning, self._clean[index], moved_inputs=decision.moves_inputs)()
+        else:
+            out = self._checkpointed(step, index, decision, forward, held_args, held_kwargs, parked, inputs)
         inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
         if step.spec.recorder:
             step.spec.recorder.units[index].input_shapes.append(tuple(t.shape for t, _ in inputs.watched))
@@ -343,6 +353,61 @@ class Runtime:
             step.spec.recorder.units[index].input_bytes += sum(
                 p.tensor.numel() * p.tensor.element_size() for p in parked)
         return out
+
+    def _reruns_as_one_node(self, step: Step, index: int, decision: Decision, inputs: "_Unchanged",
+                            held) -> bool:
+        """Whether this call is recomputed by rerun.py: a plain recompute (selective needs
+        checkpoint's modes, calibration's probes its hooks) of a unit whose forward was seen to
+        reach only its arguments and parameters, with arguments whose every tensor the node takes."""
+        if decision not in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED) or step.spec.count_ops:
+            return False
+        return bool(self._reruns[index]) and _node_takes_every_tensor(held, inputs)
+
+    def _checkpointed(self, step: Step, index: int, decision: Decision, forward, held_args, held_kwargs,
+                      parked: list, inputs: "_Unchanged"):
+        """The call under torch.utils.checkpoint. The first time, its forward also shows whether
+        the unit may from then on be recomputed as one node."""
+        checks = self._reruns[index] is None and decision in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED)
+
+        def run(anchor):
+            nonlocal checks
+            values = ([_unpark(v) for v in held_args], {k: _unpark(v) for k, v in held_kwargs.items()})
+            if not checks:
+                return forward(*values[0], **values[1])
+            checks = False  # the forward's call: the recomputation's runs as it is
+            with MadeTensors() as made:
+                since = graph_clock()
+                out = forward(*values[0], **values[1])
+                until = graph_clock()
+            self._settle_rerun(index, values, out, made, since, until)
+            return out
+
+        # The call's arguments live in `run` (checkpoint keeps it until the recomputation) rather
+        # than among checkpoint's own, which it would walk twice a call; the anchor alone tells it
+        # which device's RNG state to keep.
+        context_fn = functools.partial(self._contexts, step, index, decision, parked, inputs)
+        early = set_checkpoint_early_stop(False) if step.spec.full_recompute else contextlib.nullcontext()
+        with early:
+            return checkpoint(run, self._anchor, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
+
+    def _settle_rerun(self, index: int, values, out, made: MadeTensors, since: int, until: int) -> None:
+        """What a call through checkpoint showed: may this unit be rerun as one node? Not if its
+        forward reached beyond its arguments and parameters, or a tensor it made left it other
+        than among its outputs (rerun.py)."""
+        if self._shown.get(index) is False:
+            return
+        outputs = pytree.tree_leaves(out)
+        params = _trained_parameters(self.units[index].module)
+        found = foreign_edges(outputs, pytree.tree_leaves(values), params, since, until) + \
+            made.escaped(outputs, since, until)
+        if any(_is_dtensor(p) for p in params):  # FSDP2 gathers them around the unit's own forward and backward
+            found.append("parameters FSDP2 shards")
+        if found:
+            log.info("planner: %s stays recomputed through torch.utils.checkpoint: its forward reaches %s",
+                     self.units[index].name, found[0])
+        else:
+            self._clean[index].add(until - since)  # the size of its graph: a rerun of that size needs no look
+        self._shown[index] = not found
 
     def _park(self, value, parked: list[_Parked]):
         if isinstance(value, torch.Tensor) and value.device == self.device and not isinstance(value, nn.Parameter) \
@@ -374,21 +439,27 @@ class Runtime:
                      "(their _moved forms recompute from copies taken at the end of the forward)")
         for slot in parked:
             slot.fetch()
-        # Running statistics as they were: the recomputation updates them again, then they go back.
-        kept = [(b, b.clone()) for m in self._norms[index] for b in m.buffers()]
+        # Running statistics as they were: the recomputation updates copies of them. Not the
+        # buffers themselves, put back after: a rerun as one node saves them for its backward,
+        # which has yet to run and checks that they were not changed in place.
+        kept = [(m, name, buffer) for m in self._norms[index] for name, buffer in m._buffers.items()
+                if buffer is not None]
+        for module, name, buffer in kept:
+            module._buffers[name] = buffer.clone()
         recorder = step.spec.recorder
         probe = recorder.rebuild_probe(index, self.min_bytes).around([p.tensor for p in parked]) \
             if recorder and step.spec.count_ops and self.units[index].kind == "block" else contextlib.nullcontext()
         start = step.mark("recompute in", index)
+        rerun = RerunNote(counts_saves=recorder is not None)
         try:
             with probe:
-                yield
+                yield rerun
         finally:
             end = step.mark("recompute out", index)
-            for buffer, before in kept:
-                buffer.copy_(before)
-            if step.spec.recorder:
-                step.spec.recorder.pair("recompute", index, start, end)
+            for module, name, buffer in kept:
+                module._buffers[name] = buffer
+            if recorder:
+                recorder.pair("recompute", index, start, end, not_saved=rerun.outputs_not_saved)
 
 
 class _Unchanged:
@@ -439,6 +510,29 @@ def _autocast_uncached(device_type: str):
 
 def _unpark(value):
     return value.value() if isinstance(value, _Parked) else value
+
+
+def _trained_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The module's parameters that require a gradient, each once: what Module.parameters()
+    gives, without the names it builds (a unit's call asks for them every step)."""
+    found, seen, stack = [], set(), [module]
+    while stack:
+        current = stack.pop()
+        for p in current._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                found.append(p)
+        stack.extend(child for child in current._modules.values() if child is not None)
+    return found
+
+
+def _node_takes_every_tensor(held, inputs: "_Unchanged") -> bool:
+    """The call's tensors all among the leaves the node takes (none inside an object pytree does
+    not open), counting a parked input as its tensor."""
+    leaves = pytree.tree_leaves(held)
+    taken = sum(isinstance(v, (torch.Tensor, _Parked)) for v in leaves)
+    parameters = sum(isinstance(v, nn.Parameter) for v in leaves)
+    return taken - parameters == len(inputs.watched)
 
 
 def input_signature(args, kwargs) -> tuple:

@@ -1,0 +1,378 @@
+"""A unit recomputed as one node of the graph (planner/rerun.py), on the CPU: it is used only once
+checkpoint's recomputation has shown that the unit reaches nothing but its arguments and its own
+parameters; what it computes is plain autograd's, also for gradients taken with .grad(), through
+a second derivative, twice over a retained graph, with dropout and with BatchNorm."""
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+
+from um_alloc.planner import Decision, find_units
+from um_alloc.planner.replay import Runtime
+from um_alloc.planner.rerun import foreign_edges, graph_clock
+from planner_helpers import Fixed, decisions_for
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8, dropout: float = 0.0):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, scale=None):
+        y = self.dropout(torch.tanh(self.linear(self.norm(x))))
+        return x + y if scale is None else x + y * scale
+
+
+class Stack(nn.Module):
+    def __init__(self, block=Block, n: int = 3, **kwargs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([block(**kwargs) for _ in range(n)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+def batch():
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def attached(model: nn.Module, decision=Decision.RECOMPUTE) -> Runtime:
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), 1 << 20, min_bytes=1)
+    runtime.attach()
+    return runtime
+
+
+def gradients(model: nn.Module, x: torch.Tensor, steps: int = 1):
+    for _ in range(steps):
+        torch.manual_seed(3)
+        model.zero_grad(set_to_none=True)
+        loss = model(x)
+        loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def equal(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and len(a[1]) == len(b[1]) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a[1], b[1]))
+
+
+def block_reruns(runtime: Runtime) -> list:
+    """Per block, whether it reruns as one node, as the steps so far have shown."""
+    return [runtime._shown.get(j, ok) for j, (ok, u) in enumerate(zip(runtime._reruns, runtime.units))
+            if u.kind == "block"]
+
+
+@pytest.mark.parametrize("decision", [Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED], ids=lambda d: d.value)
+def test_the_second_step_reruns_each_block_as_one_node_and_trains_as_plain_autograd(decision):
+    model = Stack(dropout=0.3).double()
+    plain = gradients(copy.deepcopy(model), batch())
+    runtime = attached(model, decision)
+    try:
+        assert block_reruns(runtime) == [None] * 3  # nothing seen yet
+        assert equal(gradients(model, batch()), plain)
+        assert block_reruns(runtime) == [True] * 3
+        assert equal(gradients(model, batch()), plain)  # the dropout masks drawn again alike
+    finally:
+        runtime.detach()
+
+
+def test_gradients_taken_with_grad_and_a_second_derivative_are_plain_autograds():
+    """A gradient penalty: .grad() with create_graph, then backward through it."""
+    def penalized(model, x):
+        torch.manual_seed(3)
+        model.zero_grad(set_to_none=True)
+        params = list(model.parameters())
+        first = torch.autograd.grad(model(x), params, create_graph=True)
+        sum(g.pow(2).sum() for g in first).backward()
+        return [g.detach() for g in first], [p.grad for p in params]
+
+    model = Stack().double()
+    plain = penalized(copy.deepcopy(model), batch())
+    runtime = attached(model)
+    try:
+        penalized(model, batch())
+        assert block_reruns(runtime) == [True] * 3
+        planned = penalized(model, batch())
+    finally:
+        runtime.detach()
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(planned[0] + planned[1], plain[0] + plain[1]))
+
+
+def test_backward_over_a_retained_graph_twice_accumulates_as_plain_autograd():
+    def twice(model, x):
+        model.zero_grad(set_to_none=True)
+        loss = model(x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    model = Stack().double()
+    plain = twice(copy.deepcopy(model), batch())
+    runtime = attached(model)
+    try:
+        twice(model, batch())
+        assert equal(twice(model, batch()), plain)
+    finally:
+        runtime.detach()
+
+
+class NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+def test_batchnorm_counts_each_batch_once_when_rerun_as_one_node():
+    model = Stack(block=NormBlock).double()
+    reference = copy.deepcopy(model)
+    plain = [gradients(reference, batch()) for _ in range(3)][-1]
+    runtime = attached(model)
+    try:
+        planned = [gradients(model, batch()) for _ in range(3)][-1]
+        assert block_reruns(runtime) == [True] * 3
+    finally:
+        runtime.detach()
+    assert equal(planned, plain)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))  # running statistics
+
+
+class Borrows(nn.Module):
+    """Reads a parameter of a module that is not its own: its gradient would stop at a rerun as
+    one node."""
+
+    def __init__(self, lender: nn.Linear):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.lender = [lender]  # in a plain list: not one of this module's own
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x) + self.lender[0].weight.sum())
+
+
+class Stashed(nn.Module):
+    """Reads a tensor the model left on it before the call, which requires a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.bias = None
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x) + self.bias)
+
+
+class Lends(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.embed, self.shared, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList([Borrows(self.shared) if kind == "parameter" else Stashed() for _ in range(3)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            if self.kind == "tensor":
+                block.bias = self.shared.weight.sum() * h.mean()
+            h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("kind", ["parameter", "tensor"])
+def test_a_block_that_reaches_beyond_its_arguments_stays_with_checkpoint(kind, caplog):
+    model = Lends(kind).double()
+    plain = gradients(copy.deepcopy(model), batch())
+    runtime = attached(model)
+    try:
+        with caplog.at_level("INFO", logger="um_alloc.planner"):
+            assert equal(gradients(model, batch()), plain)
+        assert block_reruns(runtime) == [False] * 3
+        assert "stays recomputed through torch.utils.checkpoint" in caplog.text
+        assert equal(gradients(model, batch()), plain)
+    finally:
+        runtime.detach()
+
+
+@dataclass
+class Carried:
+    hidden: torch.Tensor
+
+
+class CarriesOut(nn.Module):
+    """Returns its tensor inside an object torch.utils._pytree does not open."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x.hidden if isinstance(x, Carried) else x
+        return {"out": Carried(x + torch.tanh(self.linear(x)))}
+
+
+class Unwraps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList([CarriesOut() for _ in range(3)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)["out"].hidden
+        return self.head(h).pow(2).mean()
+
+
+def test_a_block_whose_output_hides_tensors_in_an_object_stays_with_checkpoint():
+    model = Unwraps().double()
+    plain = gradients(copy.deepcopy(model), batch())
+    runtime = attached(model)
+    try:
+        assert equal(gradients(model, batch(), steps=2), plain)
+        assert block_reruns(runtime) == [False] * 3
+    finally:
+        runtime.detach()
+
+
+def test_frozen_blocks_rerun_as_one_node_without_gradients_for_their_parameters():
+    model = Stack().double()
+    for p in model.blocks.parameters():
+        p.requires_grad_(False)
+    plain = gradients(copy.deepcopy(model), batch())
+    runtime = attached(model)
+    try:
+        assert equal(gradients(model, batch(), steps=2), plain)
+        assert block_reruns(runtime) == [True] * 3
+    finally:
+        runtime.detach()
+    assert all(p.grad is None for p in model.blocks.parameters())
+
+
+def test_foreign_edges_names_what_a_computation_reaches_beyond_its_inputs():
+    x = torch.randn(3, requires_grad=True)
+    own = torch.randn(3, requires_grad=True)
+    other = torch.randn(3, requires_grad=True)
+    made_before = other * 2
+    since = graph_clock()
+    out = (x * own).sum() + (x * made_before).sum() + (x * other).sum()
+    until = graph_clock()
+    found = foreign_edges([out], [x], [own], since, until)
+    assert sorted(found) == ["a parameter or leaf of shape (3,)", "the output of MulBackward0 made before the call"]
+    since = graph_clock()
+    clean = (x * own).sum()
+    assert foreign_edges([clean], [x], [own], since, graph_clock()) == []
+
+
+class Aside(nn.Module):
+    """Keeps a tensor it made on an attribute, which the loss reads (a mixture-of-experts'
+    balancing loss on its router's output, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.router = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.aside = None
+
+    def forward(self, x):
+        self.aside = torch.softmax(self.router(x), dim=-1).pow(2).mean()
+        return x + torch.tanh(self.linear(x))
+
+
+class Balanced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList([Aside() for _ in range(3)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).pow(2).mean() + sum(block.aside for block in self.blocks)
+
+
+def test_a_block_that_keeps_a_tensor_aside_stays_with_checkpoint(caplog):
+    model = Balanced().double()
+    plain = gradients(copy.deepcopy(model), batch())
+    runtime = attached(model)
+    try:
+        with caplog.at_level("INFO", logger="um_alloc.planner"):
+            assert equal(gradients(model, batch(), steps=2), plain)
+        assert block_reruns(runtime) == [False] * 3
+        assert "kept beyond its outputs" in caplog.text
+    finally:
+        runtime.detach()
+
+
+class Later(nn.Module):
+    """From the model's second step on, reads what it did not in its first: a parameter of another
+    module, or a tensor left on it that requires a gradient."""
+
+    def __init__(self, lender: nn.Linear):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.lender, self.later, self.bias = [lender], False, None
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.later:
+            y = y + (self.lender[0].weight.sum() if self.bias is None else self.bias)
+        return x + torch.tanh(y)
+
+
+class LaterStack(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.steps = kind, 0
+        self.embed, self.shared, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList([Later(self.shared) for _ in range(3)])
+
+    def forward(self, x):
+        self.steps += 1
+        h = self.embed(x)
+        for block in self.blocks:
+            block.later = self.steps > 1
+            block.bias = self.shared.weight.sum() * h.mean() if self.kind == "tensor" and block.later else None
+            h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+def test_a_parameter_read_only_after_the_first_step_joins_the_node_and_gets_its_gradient():
+    model = LaterStack("parameter").double()
+    reference = copy.deepcopy(model)
+    runtime = attached(model)
+    try:
+        for _ in range(2):
+            planned, plain = gradients(model, batch()), gradients(reference, batch())
+            assert equal(planned, plain)
+        assert block_reruns(runtime) == [True] * 3  # the first step read nothing beyond the arguments
+        assert model.shared.weight.grad is not None
+    finally:
+        runtime.detach()
+
+
+def test_a_tensor_read_only_after_the_first_step_stops_the_step_with_what_to_do():
+    model = LaterStack("tensor").double()
+    runtime = attached(model)
+    try:
+        gradients(model, batch())
+        with pytest.raises(RuntimeError, match="one_node_recompute=False"):
+            gradients(model, batch())
+    finally:
+        runtime.detach()
