@@ -31,6 +31,13 @@ def test_rebuilt_blocks_give_plain_trainings_losses(cuda_device):
     assert result["rebuildable_bytes"] > 0         # casts and GELU outputs found, and rebuilt equal
 
 
+def test_blocks_recomputed_as_one_node_give_plain_trainings_losses(cuda_device):
+    result = _check("one_node")
+    assert result["planned"] == result["plain"]  # dropout 0.1: the GPU's RNG state restored for each rerun
+    assert result["plan"].get("recompute", 0) + result["plan"].get("recompute_moved", 0) == 6
+    assert result["one_node_blocks"] == 6
+
+
 def test_inputs_of_changing_length_borrow_plans_and_give_plain_trainings_losses(cuda_device):
     result = _check("lengths")
     assert result["planned"] == result["plain"]

@@ -91,6 +91,16 @@ def rebuild() -> dict:
     return equal(decisions=["rebuild"])
 
 
+def one_node() -> dict:
+    """Every block recomputed, from the second step as one node of the graph (rerun.py): the
+    dropout masks drawn again from the GPU's RNG state, under bf16 autocast."""
+    losses, planner = side_by_side(bert, lambda data: torch.randint(5, 1024, (16, 128), generator=data),
+                                   ["recompute"])
+    runtime = planner._runtime
+    return {**losses, "plan": planner.plan.counts(),
+            "one_node_blocks": sum(bool(ok) for ok, u in zip(runtime._reruns, runtime.units) if u.kind == "block")}
+
+
 def oom() -> dict:
     model, optimizer = bert()
     planner = um_alloc.plan(model, budget="2GiB", margin=0)
@@ -229,7 +239,7 @@ def large_batch() -> dict:
             "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
-MODES = {"equal": equal, "rebuild": rebuild, "oom": oom, "lean": lean, "lengths": lengths, "arenas": arenas,
+MODES = {"equal": equal, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths, "arenas": arenas,
          "gpt2": gpt2, "large_batch": large_batch}
 
 if __name__ == "__main__":
