@@ -105,6 +105,8 @@ def ddp_case(case: str, rank: int, world: int, device: torch.device, budget: str
         out["losses"].append(loss.item() / world)
     out["params"] = flat(model.parameters())
     out["decisions"] = [d.value for d in planner.plan.decisions]
+    runtime = planner._runtime
+    out["one_node_blocks"] = sum(bool(ok) for ok, u in zip(runtime._reruns, runtime.units) if u.kind == "block")
     out["reductions"] = None if reductions is None else len(reductions)
     planner.remove()
     return out

@@ -400,7 +400,7 @@ class Runtime:
         params = _trained_parameters(self.units[index].module)
         found = foreign_edges(outputs, pytree.tree_leaves(values), params, since, until) + \
             made.escaped(outputs, since, until)
-        if any(_is_dtensor(p) for p in params):  # FSDP2 gathers them around the unit's own forward and backward
+        if _sharded(self.model, params):  # FSDP2 gathers them around the unit's own forward and backward
             found.append("parameters FSDP2 shards")
         if found:
             log.info("planner: %s stays recomputed through torch.utils.checkpoint: its forward reaches %s",
@@ -524,6 +524,18 @@ def _trained_parameters(module: nn.Module) -> list[torch.Tensor]:
                 found.append(p)
         stack.extend(child for child in current._modules.values() if child is not None)
     return found
+
+
+def _sharded(model: nn.Module, params: list[torch.Tensor]) -> bool:
+    """Whether FSDP2 manages the model: a module of it sharded with fully_shard (inside a unit's
+    forward its parameters are gathered, plain tensors), or parameters that are DTensors."""
+    if any(_is_dtensor(p) for p in params):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a PyTorch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _node_takes_every_tensor(held, inputs: "_Unchanged") -> bool:
