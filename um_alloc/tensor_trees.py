@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["tensor_leaves", "tensors", "map_tensors", "local_shard"]
+__all__ = ["tensor_leaves", "tensors", "map_tensors", "local_shard", "is_dtensor"]
 
 
 def tensor_leaves(tree: Any, path: str | None = None, *,
@@ -65,13 +65,14 @@ def _collect(tree: Any, found: list[torch.Tensor]) -> None:
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The part of `tensor` this process stores: a DTensor's local shard (FSDP2's parameters, their
     gradients and optimizer state hold 1/world of the whole each), any other tensor itself."""
-    if _is_dtensor(tensor):
+    if is_dtensor(tensor):
         with torch.no_grad():
             return tensor.to_local()
     return tensor
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor (FSDP2's parameters are)."""
     dtensor = _dtensor_class()
     return dtensor is not None and isinstance(tensor, dtensor)
 

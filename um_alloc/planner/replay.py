@@ -9,10 +9,10 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
   outside every unit (its loss) moves the same way when the plan's last decision says so. Only
   what moves pays for the hooks: a Python call per saved tensor.
 - recompute / selective: the first time, it runs under ``torch.utils.checkpoint`` (non-reentrant,
-  RNG state kept, so dropout masks are equal), and the recomputation shows what the unit's
-  forward reaches. A unit whose forward reaches nothing but its arguments and its own parameters
-  is from then on recomputed as one node of the graph (rerun.py), which costs the host half as
-  much. ``selective`` passes PyTorch's selective-checkpoint modes (selective.py), which keep the
+  RNG state kept, so dropout masks are equal), and that forward shows what the unit reaches. A
+  unit that reaches nothing but its arguments and its own parameters, and whose tensors leave it
+  only among its outputs, is from the next step on recomputed as one node of the graph
+  (rerun.py), which costs the host less. ``selective`` passes PyTorch's selective-checkpoint modes (selective.py), which keep the
   outputs of matmuls, convolutions and attention and recompute the rest. BatchNorm's running
   statistics are not updated a second time by the recomputation. The recomputation reads the
   inputs as the forward found them, or stops (_Unchanged).
@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..offload import ActivationOffload
-from ..tensor_trees import _is_dtensor, tensors as _tensors
+from ..tensor_trees import is_dtensor, tensors as _tensors
 from .arenas import StepArenas
 from .blocks import Unit
 from .lean_loss import LeanLoss
@@ -529,7 +529,7 @@ def _trained_parameters(module: nn.Module) -> list[torch.Tensor]:
 def _sharded(model: nn.Module, params: list[torch.Tensor]) -> bool:
     """Whether FSDP2 manages the model: a module of it sharded with fully_shard (inside a unit's
     forward its parameters are gathered, plain tensors), or parameters that are DTensors."""
-    if any(_is_dtensor(p) for p in params):
+    if any(is_dtensor(p) for p in params):
         return True
     try:
         from torch.distributed.fsdp import FSDPModule

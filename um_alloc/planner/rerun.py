@@ -67,7 +67,7 @@ class _Rerun(torch.autograd.Function):
 
 
 class RerunCall:
-    """One call of a unit under the light recomputation.
+    """One call of a unit recomputed as one node.
 
     `values` are the call's (args, kwargs); a value may stand in for a tensor (an input moved to
     host memory, see replay._Parked): `resolve` gives the tensor back, the input itself unless
@@ -83,10 +83,10 @@ class RerunCall:
         self._forward, self._resolve, self._rerunning = forward, resolve, rerunning
         self._leaves, self._spec = pytree.tree_flatten(values)
         self._params = params
-        self._device = device
         self._rng = _RngState(device)
         self._autocast = _AutocastState(device.type)
         self._outputs: tuple[list, Any, list[int]] | None = None  # (non-tensor leaves, spec, tensor places)
+        self._made: tuple[torch.Tensor, ...] = ()  # the first run's output tensors, until the node takes them
 
     def __call__(self):
         """The call's output, from the node: tensors in the places of the forward's own."""
@@ -137,9 +137,8 @@ class RerunCall:
         raise RuntimeError(
             f"planner: backward reached the graph of {self._name}'s first run, which keeps nothing: a tensor "
             "made inside it requires a gradient and left it other than among its outputs (kept on an attribute, "
-            "caught by a hook, or inside an object torch.utils._pytree does not open). Pass this block's class "
-            "to the planner's block_classes to leave it out, or turn off the one-node recomputation "
-            "(one_node_recompute=False)")
+            "caught by a hook, or inside an object torch.utils._pytree does not open). Turn off the one-node "
+            "recomputation (one_node_recompute=False)")
 
     def gradients(self, grads) -> list[torch.Tensor | None]:
         """The rerun, and the gradients of the node's inputs (the call's tensors, then the params).
