@@ -376,3 +376,39 @@ def test_a_tensor_read_only_after_the_first_step_stops_the_step_with_what_to_do(
             gradients(model, batch())
     finally:
         runtime.detach()
+
+
+def test_what_a_rerun_leaves_live_beside_what_it_saves_is_its_unsaved_outputs():
+    """Calibration counts a recomputation's saved bytes from the live bytes it adds; a rerun as one
+    node holds its outputs until their gradients are taken, and says which of them backward does
+    not keep (a sigmoid's output is kept: its backward reads it)."""
+    from um_alloc.planner.rerun import _SavedStorages
+
+    x = torch.randn(256, requires_grad=True)
+    saved = _SavedStorages()
+    with saved:
+        hidden = torch.tanh(x * 2)     # saves x's product's output (tanh keeps its result)
+        kept = torch.sigmoid(hidden)   # keeps its result
+        unkept = hidden + 1            # an add keeps nothing
+    assert saved.bytes_beside([kept, unkept], [x]) == unkept.untyped_storage().nbytes()
+    assert saved.bytes_beside([x.view(16, 16)], [x]) == 0  # a view of an input adds nothing
+
+
+def test_a_recorded_recomputation_counts_its_saves_not_its_outputs():
+    from um_alloc.planner.record import StepRecorder
+
+    class Probe:
+        def __init__(self, lives):
+            self.lives = iter(lives)
+
+        def begin_step(self):
+            pass
+
+        def look(self):
+            live = next(self.lives)
+            return live, live
+
+    recorder = StepRecorder(torch.device("cpu"), Probe([0, 100, 700]), n_units=1)  # a look as it begins
+    start, end = recorder.mark("recompute in", 0), recorder.mark("recompute out", 0)
+    recorder.pair("recompute", 0, start, end, not_saved=64)
+    assert recorder.units[0].rebuilt_bytes == 700 - 100 - 64
