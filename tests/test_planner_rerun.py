@@ -412,3 +412,25 @@ def test_a_recorded_recomputation_counts_its_saves_not_its_outputs():
     start, end = recorder.mark("recompute in", 0), recorder.mark("recompute out", 0)
     recorder.pair("recompute", 0, start, end, not_saved=64)
     assert recorder.units[0].rebuilt_bytes == 700 - 100 - 64
+
+
+def test_gradient_hooks_on_parameters_run_once_a_step():
+    """A hook that scales a parameter's gradient (clipping, say) changes it once, as in plain autograd."""
+    def hooked(model):
+        calls = []
+        for p in model.blocks.parameters():
+            p.register_hook(lambda g, calls=calls: (calls.append(1), g * 2)[1])
+        return calls
+
+    model = Stack().double()
+    reference = copy.deepcopy(model)
+    plain_calls, plain = hooked(reference), gradients(reference, batch())
+    calls = hooked(model)
+    runtime = attached(model)
+    try:
+        assert equal(gradients(model, batch()), plain) and block_reruns(runtime) == [True] * 3
+        before = len(calls)
+        assert equal(gradients(model, batch()), plain)
+    finally:
+        runtime.detach()
+    assert len(calls) - before == len(plain_calls) == 12  # four parameters in each of three blocks

@@ -337,7 +337,8 @@ class Runtime:
         if self._reruns_as_one_node(step, index, decision, inputs, (held_args, held_kwargs)):
             params = _trained_parameters(self.units[index].module)
             rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
-            out = RerunCall(self.units[index].name, forward, (held_args, held_kwargs), params, self.device, _unpark,
+            unit = self.units[index]
+            out = RerunCall(unit.name, unit.module, forward, (held_args, held_kwargs), params, self.device, _unpark,
                             rerunning, self._clean[index], moved_inputs=decision.moves_inputs)()
         else:
             out = self._checkpointed(step, index, decision, forward, held_args, held_kwargs, parked, inputs)

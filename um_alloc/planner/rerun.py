@@ -17,7 +17,8 @@ node takes the outputs; the node's inputs are the call's tensors and the unit's 
 so the step's graph reaches them as it would the unit's ops. Backward reruns the forward with the
 RNG state and autocast of the first run, on detached copies of the inputs, and hands the
 gradients of the inputs and the parameters back through the node, to be accumulated by the
-step's own backward as plain autograd's are: DDP's hooks, ``.grad()`` and
+step's own backward as plain autograd's are: DDP's hooks, a parameter's gradient hooks (once:
+the rerun reads stand-ins of the parameters that have any), ``.grad()`` and
 ``backward(inputs=...)`` work as they do. Under ``create_graph`` the rerun reads the inputs
 themselves and keeps its graph, for the second derivative.
 
@@ -74,12 +75,13 @@ class RerunCall:
     `moved_inputs`. `rerunning` returns the context the rerun runs in (the runtime's marks and
     checks)."""
 
-    def __init__(self, name: str, forward: Callable, values, params: list[torch.Tensor], device: torch.device,
-                 resolve: Callable[[Any], Any], rerunning: Callable[[], ContextManager], clean: set[int],
-                 moved_inputs: bool = False):
-        """`clean`: the unit's graph sizes (in nodes) of calls seen to reach nothing beyond their
-        arguments and its parameters; a call of another size is looked at, and added if clean."""
-        self._name, self._moved_inputs, self._clean = name, moved_inputs, clean
+    def __init__(self, name: str, module: torch.nn.Module, forward: Callable, values, params: list[torch.Tensor],
+                 device: torch.device, resolve: Callable[[Any], Any], rerunning: Callable[[], ContextManager],
+                 clean: set[int], moved_inputs: bool = False):
+        """`params`: the unit `module`'s own that require a gradient. `clean`: the unit's graph
+        sizes (in nodes) of calls seen to reach nothing beyond their arguments and its parameters;
+        a call of another size is looked at, and added if clean."""
+        self._name, self._module, self._moved_inputs, self._clean = name, module, moved_inputs, clean
         self._forward, self._resolve, self._rerunning = forward, resolve, rerunning
         self._leaves, self._spec = pytree.tree_flatten(values)
         self._params = params
@@ -124,6 +126,7 @@ class RerunCall:
         if size in self._clean:
             return []
         leaves, others = _beyond(outputs, inputs, self._params, since, until)
+        others += [f"a leaf of shape {tuple(t.shape)} with gradient hooks" for t in leaves if t._backward_hooks]
         if others:
             raise RuntimeError(
                 f"planner: {self._name} read {others[0]}, which requires a gradient, other than through its "
@@ -142,8 +145,11 @@ class RerunCall:
 
     def gradients(self, grads) -> list[torch.Tensor | None]:
         """The rerun, and the gradients of the node's inputs (the call's tensors, then the params).
-        Under ``create_graph`` (a second derivative follows) the rerun reads the inputs themselves,
-        so that the gradients' own graph reaches back through them; otherwise detached copies."""
+
+        The rerun reads stand-ins: detached copies of the inputs, and of the parameters that have
+        gradient hooks (which would run once in the rerun's gradient and again as the node hands
+        it on). Under ``create_graph`` (a second derivative follows) the stand-ins of inputs and
+        parameters are views of them instead, so that the gradients' own graph reaches back."""
         create_graph = torch.is_grad_enabled()
         if create_graph and self._moved_inputs:
             raise RuntimeError(f"planner: a second derivative (create_graph=True) through {self._name}, whose "
@@ -153,9 +159,11 @@ class RerunCall:
         inputs = []
         for k, value in enumerate(leaves):
             if isinstance(value, torch.Tensor):
-                leaves[k] = value if create_graph else value.detach().requires_grad_(value.requires_grad)
+                leaves[k] = _stand_in(value, create_graph)
                 inputs.append(leaves[k])
-        with self._rng.restored(), self._autocast.restored(), torch.enable_grad(), self._rerunning() as note:
+        params = {id(p): _stand_in(p, create_graph) for p in self._params if create_graph or p._backward_hooks}
+        with self._rng.restored(), self._autocast.restored(), torch.enable_grad(), \
+                _parameters_standing_in(self._module, params), self._rerunning() as note:
             args, kwargs = pytree.tree_unflatten(leaves, self._spec)
             if note is not None and note.counts_saves:
                 saved = _SavedStorages()
@@ -166,7 +174,7 @@ class RerunCall:
                 flat = pytree.tree_leaves(self._forward(*args, **kwargs))
         outs = [flat[k] for k in self._outputs[2]]
         roots = [(out, grad) for out, grad in zip(outs, grads) if grad is not None and out.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad] + [p for p in self._params]
+        wanted = [t for t in inputs if t.requires_grad] + [params.get(id(p), p) for p in self._params]
         found = iter(torch.autograd.grad([r for r, _ in roots], wanted, [g for _, g in roots], allow_unused=True,
                                          create_graph=create_graph) if roots and wanted else [None] * len(wanted))
         return [next(found) if t.requires_grad else None for t in inputs] + list(found)
@@ -174,6 +182,33 @@ class RerunCall:
 
 def _dropped(tensor: torch.Tensor) -> None:
     return None
+
+
+def _stand_in(tensor: torch.Tensor, connected: bool) -> torch.Tensor:
+    """What a rerun reads for `tensor`: a view of it (its graph reaches `tensor`), or a detached
+    copy that requires a gradient as it does; never `tensor` itself, whose gradient hooks would
+    run in the rerun's gradient as well as in the step's."""
+    if connected:
+        return tensor.view_as(tensor)
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
+@contextlib.contextmanager
+def _parameters_standing_in(module: torch.nn.Module, stand_ins: dict[int, torch.Tensor]):
+    """`module`'s parameters replaced by their stand-ins (by the parameter's id) while entered,
+    wherever they are registered in it (a tied one under each of its names)."""
+    if not stand_ins:
+        yield
+        return
+    replaced = [(owner, name, p) for owner in module.modules() for name, p in owner._parameters.items()
+                if p is not None and id(p) in stand_ins]
+    for owner, name, p in replaced:
+        owner._parameters[name] = stand_ins[id(p)]
+    try:
+        yield
+    finally:
+        for owner, name, p in replaced:
+            owner._parameters[name] = p
 
 
 class RerunNote:
