@@ -64,7 +64,8 @@ def gradients(model: nn.Module, x: torch.Tensor, steps: int = 1):
 
 def equal(a, b) -> bool:
     return torch.equal(a[0], b[0]) and len(a[1]) == len(b[1]) and all(
-        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a[1], b[1]))
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a[1], b[1]))
 
 
 def block_reruns(runtime: Runtime) -> list:
@@ -106,7 +107,8 @@ def test_gradients_taken_with_grad_and_a_second_derivative_are_plain_autograds()
         planned = penalized(model, batch())
     finally:
         runtime.detach()
-    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(planned[0] + planned[1], plain[0] + plain[1]))
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+               for a, b in zip(planned[0] + planned[1], plain[0] + plain[1]))
 
 
 def test_backward_over_a_retained_graph_twice_accumulates_as_plain_autograd():
@@ -224,12 +226,9 @@ class CarriesOut(nn.Module):
         return {"out": Carried(x + torch.tanh(self.linear(x)))}
 
 
-class Unwraps(nn.Module):
+class Unwraps(Stack):
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
-        self.blocks = nn.ModuleList([CarriesOut() for _ in range(3)])
+        super().__init__(block=CarriesOut)
 
     def forward(self, x):
         h = self.embed(x)
@@ -292,18 +291,12 @@ class Aside(nn.Module):
         return x + torch.tanh(self.linear(x))
 
 
-class Balanced(nn.Module):
+class Balanced(Stack):
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
-        self.blocks = nn.ModuleList([Aside() for _ in range(3)])
+        super().__init__(block=Aside)
 
     def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h).pow(2).mean() + sum(block.aside for block in self.blocks)
+        return super().forward(x) + sum(block.aside for block in self.blocks)
 
 
 def test_a_block_that_keeps_a_tensor_aside_stays_with_checkpoint(caplog):

@@ -239,8 +239,8 @@ def large_batch() -> dict:
             "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
-MODES = {"equal": equal, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths, "arenas": arenas,
-         "gpt2": gpt2, "large_batch": large_batch}
+MODES = {"equal": equal, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths,
+         "arenas": arenas, "gpt2": gpt2, "large_batch": large_batch}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit

@@ -12,10 +12,11 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
   RNG state kept, so dropout masks are equal), and that forward shows what the unit reaches. A
   unit that reaches nothing but its arguments and its own parameters, and whose tensors leave it
   only among its outputs, is from the next step on recomputed as one node of the graph
-  (rerun.py), which costs the host less. ``selective`` passes PyTorch's selective-checkpoint modes (selective.py), which keep the
-  outputs of matmuls, convolutions and attention and recompute the rest. BatchNorm's running
-  statistics are not updated a second time by the recomputation. The recomputation reads the
-  inputs as the forward found them, or stops (_Unchanged).
+  (rerun.py), which costs the host less. ``selective`` passes PyTorch's selective-checkpoint
+  modes (selective.py), which keep the outputs of matmuls, convolutions and attention and
+  recompute the rest. BatchNorm's running statistics are not updated a second time by the
+  recomputation. The recomputation reads the inputs as the forward found them, or stops
+  (_Unchanged).
 - ..._moved: the call's large inputs are held in a slot that checkpoint keeps instead of the tensor;
   after forward the slot's tensor goes to host memory, and the recomputation fetches it back.
 
@@ -334,12 +335,9 @@ class Runtime:
         held_args = [self._park(a, parked) for a in args]
         held_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
-        if self._reruns_as_one_node(step, index, decision, inputs, (held_args, held_kwargs)):
-            params = _trained_parameters(self.units[index].module)
-            rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
-            unit = self.units[index]
-            out = RerunCall(unit.name, unit.module, forward, (held_args, held_kwargs), params, self.device, _unpark,
-                            rerunning, self._clean[index], moved_inputs=decision.moves_inputs)()
+        call = self._one_node_call(step, index, decision, forward, (held_args, held_kwargs), parked, inputs)
+        if call is not None:
+            out = call()
         else:
             out = self._checkpointed(step, index, decision, forward, held_args, held_kwargs, parked, inputs)
         inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
@@ -355,14 +353,20 @@ class Runtime:
                 p.tensor.numel() * p.tensor.element_size() for p in parked)
         return out
 
-    def _reruns_as_one_node(self, step: Step, index: int, decision: Decision, inputs: "_Unchanged",
-                            held) -> bool:
-        """Whether this call is recomputed by rerun.py: a plain recompute (selective needs
-        checkpoint's modes, calibration's probes its hooks) of a unit whose forward was seen to
-        reach only its arguments and parameters, with arguments whose every tensor the node takes."""
-        if decision not in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED) or step.spec.count_ops:
-            return False
-        return bool(self._reruns[index]) and _node_takes_every_tensor(held, inputs)
+    def _one_node_call(self, step: Step, index: int, decision: Decision, forward, held, parked: list,
+                       inputs: "_Unchanged") -> RerunCall | None:
+        """This call as one node (rerun.py), or None where it is not one: a plain recompute
+        (selective needs checkpoint's modes, calibration's probes its hooks) of a unit whose
+        forward was seen to reach only its arguments and parameters, with arguments whose every
+        tensor the node takes."""
+        if decision not in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED) or step.spec.count_ops \
+                or not self._reruns[index]:
+            return None
+        unit = self.units[index]
+        rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
+        call = RerunCall(unit.name, unit.module, forward, held, _trained_parameters(unit.module), self.device,
+                         _unpark, rerunning, self._clean[index], moved_inputs=decision.moves_inputs)
+        return call if call.takes(len(inputs.watched)) else None
 
     def _checkpointed(self, step: Step, index: int, decision: Decision, forward, held_args, held_kwargs,
                       parked: list, inputs: "_Unchanged"):
@@ -537,15 +541,6 @@ def _sharded(model: nn.Module, params: list[torch.Tensor]) -> bool:
     except ImportError:  # a PyTorch built without distributed
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _node_takes_every_tensor(held, inputs: "_Unchanged") -> bool:
-    """The call's tensors all among the leaves the node takes (none inside an object pytree does
-    not open), counting a parked input as its tensor."""
-    leaves = pytree.tree_leaves(held)
-    taken = sum(isinstance(v, (torch.Tensor, _Parked)) for v in leaves)
-    parameters = sum(isinstance(v, nn.Parameter) for v in leaves)
-    return taken - parameters == len(inputs.watched)
 
 
 def input_signature(args, kwargs) -> tuple:

@@ -84,19 +84,27 @@ class RerunCall:
         self._name, self._module, self._moved_inputs, self._clean = name, module, moved_inputs, clean
         self._forward, self._resolve, self._rerunning = forward, resolve, rerunning
         self._leaves, self._spec = pytree.tree_flatten(values)
+        self._first: list | None = [resolve(v) for v in self._leaves]  # the values forward runs on, until it has
         self._params = params
         self._rng = _RngState(device)
         self._autocast = _AutocastState(device.type)
         self._outputs: tuple[list, Any, list[int]] | None = None  # (non-tensor leaves, spec, tensor places)
         self._made: tuple[torch.Tensor, ...] = ()  # the first run's output tensors, until the node takes them
 
+    def takes(self, tensors: int) -> bool:
+        """Whether the node takes all of the call's `tensors` tensors other than parameters (as
+        tensor_trees counts them): none hidden in an object torch.utils._pytree does not open."""
+        taken = sum(isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) for v in self._first)
+        return taken == tensors
+
     def __call__(self):
         """The call's output, from the node: tensors in the places of the forward's own."""
-        tensors = [t for t in map(self._resolve, self._leaves) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in self._first if isinstance(t, torch.Tensor)]
         since = graph_clock()
         made = self._first_run()
         self._params = self._params + self._borrowed(made, tensors, since, graph_clock())
         outs = _Rerun.apply(self, *tensors, *self._params)
+        self._first = None  # an input that moves to host memory next is held by nothing here
         leaves, spec, places = self._outputs
         leaves = list(leaves)
         for place, tensor in zip(places, outs):
@@ -106,7 +114,7 @@ class RerunCall:
     def _first_run(self) -> tuple[torch.Tensor, ...]:
         """The forward, as plain autograd runs it (with gradients on: some kernels are chosen by
         it), but nothing saved: the graph it builds is dropped when the node takes its outputs."""
-        args, kwargs = pytree.tree_unflatten([self._resolve(v) for v in self._leaves], self._spec)
+        args, kwargs = pytree.tree_unflatten(self._first, self._spec)
         with torch.autograd.graph.saved_tensors_hooks(_dropped, self._never_read):
             flat, spec = pytree.tree_flatten(self._forward(*args, **kwargs))
         places = [k for k, v in enumerate(flat) if isinstance(v, torch.Tensor)]
@@ -298,7 +306,8 @@ class MadeTensors(torch.overrides.TorchFunctionMode):
         found = []
         for ref in self.refs:
             tensor = ref()
-            if tensor is None or not tensor.requires_grad or tensor.grad_fn is None or _cast_of_leaf(tensor):
+            if tensor is None or not tensor.requires_grad or tensor.grad_fn is None or \
+                    _is_cast(tensor.grad_fn, _is_leaf_node):
                 continue
             if not since <= tensor.grad_fn._sequence_nr() < until:
                 continue
@@ -308,16 +317,14 @@ class MadeTensors(torch.overrides.TorchFunctionMode):
         return found
 
 
-def _cast_of_leaf(tensor: torch.Tensor) -> bool:
-    node = tensor.grad_fn
-    return type(node).__name__ == CAST and all(n is None or type(n).__name__ == ACCUMULATE
-                                               for n, _ in node.next_functions)
+def _is_cast(node, of: Callable[[Any], bool]) -> bool:
+    """Whether `node` is a cast of tensors whose nodes pass `of` (autocast's cache holds casts of
+    parameters for the whole forward; their gradient needs nothing saved)."""
+    return type(node).__name__ == CAST and all(n is None or of(n) for n, _ in node.next_functions)
 
 
-def _cast_of(node, allowed: set) -> bool:
-    """Whether `node` casts one of the `allowed` nodes' tensors (autocast's cache holds such casts
-    of parameters for the whole forward)."""
-    return type(node).__name__ == CAST and all(n is None or n in allowed for n, _ in node.next_functions)
+def _is_leaf_node(node) -> bool:
+    return type(node).__name__ == ACCUMULATE
 
 
 def graph_clock() -> int:
@@ -347,10 +354,10 @@ def _beyond(outputs, inputs, params, since: int, until: int) -> tuple[list[torch
         if node is None or node in seen or node in allowed:
             continue
         seen.add(node)
-        if type(node).__name__ == ACCUMULATE:
+        if _is_leaf_node(node):
             leaves.append(node.variable)
         elif since <= node._sequence_nr() < until:
             stack.extend(next_node for next_node, _ in node.next_functions)
-        elif not _cast_of(node, allowed):  # autocast's cast of a parameter, cached by an earlier call, is not
+        elif not _is_cast(node, allowed.__contains__):  # autocast's cached cast of a parameter is not foreign
             others.append(f"the output of {type(node).__name__} made before the call")
     return leaves, others
