@@ -3,6 +3,7 @@ checkpoint's recomputation has shown that the unit reaches nothing but its argum
 parameters; what it computes is plain autograd's, also for gradients taken with .grad(), through
 a second derivative, twice over a retained graph, with dropout and with BatchNorm."""
 import copy
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from um_alloc.planner import Decision, find_units
+from um_alloc.planner import rerun
 from um_alloc.planner.replay import Runtime
 from um_alloc.planner.rerun import foreign_edges, graph_clock
 from planner_helpers import Fixed, decisions_for
@@ -126,6 +128,43 @@ def test_backward_over_a_retained_graph_twice_accumulates_as_plain_autograd():
         twice(model, batch())
         assert equal(twice(model, batch()), plain)
     finally:
+        runtime.detach()
+
+
+@pytest.mark.parametrize("decision", [Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED], ids=lambda d: d.value)
+def test_a_nodes_inputs_go_once_backward_has_run_it(decision, monkeypatch):
+    """As autograd does with what checkpoint saves: a backward that does not retain the graph lets
+    each node's call go once it has run the node, with the inputs (or the host copies) the rerun
+    read, though the graph (the loss, still held) lives on. Held until the graph went, every
+    recomputed block's input would add to backward's peak."""
+    model = Stack().double()
+    runtime = attached(model, decision)
+    calls, inputs = [], []
+    made = rerun.RerunCall.__init__
+
+    def noted(call, *args, **kwargs):
+        calls.append(weakref.ref(call))
+        made(call, *args, **kwargs)
+
+    monkeypatch.setattr(rerun.RerunCall, "__init__", noted)
+    hooks = [block.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+             for block in model.blocks]
+    try:
+        gradients(model, batch())
+        assert block_reruns(runtime) == [True] * 3 and calls == []
+        inputs.clear()
+        loss = model(batch())
+        assert [call() is not None for call in calls] == [True] * 3
+        if decision is Decision.RECOMPUTE:
+            assert [ref() is not None for ref in inputs] == [True] * 3
+        loss.backward()
+        assert [call() is None for call in calls] == [True] * 3
+        assert [ref() is None for ref in inputs] == [True] * 3
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
         runtime.detach()
 
 
