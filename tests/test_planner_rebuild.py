@@ -83,6 +83,32 @@ def test_rebuilt_blocks_train_as_plain_autograd_does(monkeypatch):
     planner.remove()
 
 
+def test_a_shared_base_is_keyed_by_its_roots_node_held_for_the_step(monkeypatch):
+    """Saves of one root and one cast share a base (the query, key and value casts of a layer's
+    input). The key is the root's autograd node itself, held while the step runs: keyed by its id,
+    a node whose Python object was dropped would leave that id to another node, whose saves would
+    then be rebuilt from this one's base (a weight's cast standing in for an activation's)."""
+    model = tiny_bert()
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
+    planner = planned_rebuild(model, ids)
+    calls = []
+    around = rebuilt_module.RebuiltSaves.around
+
+    def noted(saves, args, kwargs):
+        calls.append(saves)
+        return around(saves, args, kwargs)
+
+    monkeypatch.setattr(rebuilt_module.RebuiltSaves, "around", noted)
+    loss = loss_of(model, ids)
+    keys = [key for saves in calls for key in saves._bases]
+    shared = [base.uses for saves in calls for base in saves._bases.values()]
+    loss.backward()
+    planner.remove()
+    assert len(calls) == 3 and len(keys) > 3
+    assert all(isinstance(node, torch.autograd.graph.Node) for node, _, _ in keys)
+    assert max(shared) >= 3  # the query, key and value casts of one input: one base
+
+
 def recipes_of(planner: BlockPlanner) -> dict:
     return next(iter(planner._shapes.values())).recipes
 

@@ -96,7 +96,8 @@ class PlaceRecipe:
 
     def bind(self, tensor: torch.Tensor, held: dict) -> tuple[Recipe, tuple] | None:
         """The recipe for `tensor` saved at this place, and the key of the base it shares with
-        other places, or None where this call differs from calibration's at this place."""
+        other places (its root's autograd node, held by the key), or None where this call
+        differs from calibration's at this place."""
         if (tensor.dtype != self.dtype or tensor.size() != self.size or tensor.stride() != self.stride
                 or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != self.nbytes):
             return None
@@ -115,7 +116,9 @@ class PlaceRecipe:
         root = self._root(node, nr, entries)
         if root is None:
             return None
-        return Recipe(root, self.cast, self.size, self.stride), (id(node), nr, self.cast)
+        # The node itself, not its id: its Python object may be made afresh each time it is asked
+        # for and dropped at once, leaving its id to another node, whose base this one would take.
+        return Recipe(root, self.cast, self.size, self.stride), (node, nr, self.cast)
 
     def _root(self, node, nr: int, entries: dict) -> Call | Held | None:
         if node is None:
@@ -471,7 +474,8 @@ class RebuildProbe:
         self.forward_cpu_s += checked - begun
         # Not held, as in replay, where it is rebuilt; should it turn out unequal, the recipes
         # that could have read it are missed, which costs bytes, not correctness.
-        rebuild, base_key = bound
+        rebuild, (node, nr, cast) = bound
+        base_key = (id(node), nr, cast)  # the node held here would wait for the cycle collector (see _Tried)
         _keep_busy(tensor.device)
         start, host = self._timer(), time.perf_counter()
         with torch.no_grad():
