@@ -168,6 +168,27 @@ def test_a_nodes_inputs_go_once_backward_has_run_it(decision, monkeypatch):
         runtime.detach()
 
 
+def test_the_installed_policy_can_keep_checkpoint_throughout(monkeypatch):
+    """Given no argument, the planner does as the installed policy's scheduler.one_node_recompute
+    says: under the launcher or a callback, `false` keeps torch.utils.checkpoint with no code
+    changed. An argument overrides the policy."""
+    from types import SimpleNamespace
+    from um_alloc.planner import BlockPlanner, director
+    from um_alloc.policy import policy_from_dict
+
+    policy = policy_from_dict({"scheduler": {"strategy": "auto", "one_node_recompute": False}},
+                              source="p.yaml", name="p")
+    monkeypatch.setattr(director, "is_installed", lambda: True)
+    monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=policy, budget=1 << 30))
+    for argument, reruns in ((None, [False] * 3), (True, [None] * 3)):  # None: not yet shown either way
+        options = {} if argument is None else {"one_node_recompute": argument}
+        planner = BlockPlanner(Stack().double(), **options)
+        try:
+            assert block_reruns(planner._runtime) == reruns
+        finally:
+            planner.remove()
+
+
 class NormBlock(nn.Module):
     def __init__(self):
         super().__init__()

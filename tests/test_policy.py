@@ -385,6 +385,16 @@ def test_every_strategy_needs_a_hard_budget(strategy):
         policy_from_dict({"scheduler": {"strategy": strategy, "evict_live": True}}, source="p.yaml", name="p")
 
 
+def test_one_node_recompute_is_on_unless_a_policy_turns_it_off():
+    def scheduler(**keys):
+        return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler
+
+    assert scheduler().one_node_recompute is True
+    assert scheduler(strategy="auto", one_node_recompute=False).one_node_recompute is False
+    with pytest.raises(PolicyError, match=r"scheduler.one_node_recompute: .*got 'no'"):
+        scheduler(one_node_recompute="no")
+
+
 def test_strategy_is_checked_and_offload_activations_is_its_offload():
     def scheduler(**keys):
         return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler

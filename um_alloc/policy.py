@@ -79,6 +79,9 @@ class SchedulerSettings:
                                               # backward: one of STRATEGIES (below)
     spill_min_size: int | None = None         # bytes; allocations this large in a spill_from
                                               # region get the spill tag (um_alloc.spill); None = off
+    one_node_recompute: bool = True           # the block planner recomputes a block as one node
+                                              # of the graph where it may; false: through
+                                              # torch.utils.checkpoint (um_alloc.planner.rerun)
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
-        "strategy": _choice(STRATEGIES),
+        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool,
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,

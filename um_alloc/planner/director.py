@@ -119,8 +119,9 @@ class BlockPlanner:
             (um_alloc.planner.lean_loss); default True.
         one_node_recompute: recompute a block, once its first call has shown that it reaches only
             its arguments and its own parameters, as one node of the graph (um_alloc.planner.rerun)
-            rather than through torch.utils.checkpoint, which costs the host twice as much; default
-            True. False keeps torch.utils.checkpoint throughout.
+            rather than through torch.utils.checkpoint, which costs the host twice as much. False
+            keeps torch.utils.checkpoint throughout. Default: the installed policy's
+            scheduler.one_node_recompute (true unless a policy says otherwise).
 
     Attributes:
         safe_steps: steps run in the safe mode to measure an input (``to_dict()["inputs"]`` says
@@ -133,7 +134,8 @@ class BlockPlanner:
     def __init__(self, model: nn.Module, budget: int | str | None = None, *, strategy: str = "auto",
                  block_classes: list[str] | None = None, margin: int | str = "512MiB",
                  window: int | str = "512MiB", hide_fraction: float = 0.7,
-                 decisions: list[str] | None = None, lean_loss: bool = True, one_node_recompute: bool = True):
+                 decisions: list[str] | None = None, lean_loss: bool = True,
+                 one_node_recompute: bool | None = None):
         if not isinstance(model, nn.Module):
             raise _at("model").error("not a torch.nn.Module", received=model)
         self.strategy = arguments.one_of(strategy, _at("strategy"), STRATEGIES)
@@ -143,7 +145,7 @@ class BlockPlanner:
         self.margin = arguments.size(margin, _at("margin"))
         window = arguments.size(window, _at("window"))
         lean_loss = arguments.flag(lean_loss, _at("lean_loss"))
-        one_node_recompute = arguments.flag(one_node_recompute, _at("one_node_recompute"))
+        one_node_recompute = _one_node_recompute(one_node_recompute)
         self.allowed = _decisions(decisions)
         _class_names(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
@@ -578,6 +580,12 @@ def _budget(value) -> int:
         return installation().budget
     raise ValueError("BlockPlanner: no budget: pass budget='16GiB', or install um_alloc with a policy "
                      "that sets scheduler.budget (or install(budget=...))")
+
+
+def _one_node_recompute(value) -> bool:
+    if value is not None:
+        return arguments.flag(value, _at("one_node_recompute"))
+    return installation().policy.scheduler.one_node_recompute if is_installed() else True
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -148,7 +148,8 @@ class RerunCall:
             raise RuntimeError(
                 f"planner: {self._name} read {others[0]}, which requires a gradient, other than through its "
                 "arguments, in a step after its first: as one node it could not pass that tensor its gradient. "
-                "Turn off the one-node recomputation (one_node_recompute=False), or pass the tensor as an argument")
+                "Turn off the one-node recomputation (one_node_recompute=False, or scheduler.one_node_recompute: "
+                "false in the policy), or pass the tensor as an argument")
         if not leaves:
             self._clean.add(size)
         return leaves
@@ -158,7 +159,7 @@ class RerunCall:
             f"planner: backward reached the graph of {self._name}'s first run, which keeps nothing: a tensor "
             "made inside it requires a gradient and left it other than among its outputs (kept on an attribute, "
             "caught by a hook, or inside an object torch.utils._pytree does not open). Turn off the one-node "
-            "recomputation (one_node_recompute=False)")
+            "recomputation (one_node_recompute=False, or scheduler.one_node_recompute: false in the policy)")
 
     def gradients(self, grads) -> list[torch.Tensor | None]:
         """The rerun, and the gradients of the node's inputs (the call's tensors, then the params).
