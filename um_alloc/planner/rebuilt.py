@@ -255,6 +255,7 @@ class _UnitCall:
     held: dict = field(default_factory=dict)   # (id, version) -> _Kept
     by_slot: dict = field(default_factory=dict)  # Slot -> _Kept: what replay finds held
     saves: int = 0                              # eligible saves so far
+    bases: dict = field(default_factory=dict)   # (root node, output number, cast) -> a number
 
     def __post_init__(self):
         self.roots = RootRecorder(self.held_of, self.eligible.device.type, views_under_casts=True)
@@ -276,6 +277,12 @@ class _UnitCall:
         self.roots.clear()
         self.held.clear()
         self.by_slot.clear()
+        self.bases.clear()
+
+    def base_number(self, key: tuple) -> int:
+        """The number of the base `key` (bind's: its root's node, held here until close) names in
+        this call: saves that share a base get one number, without holding the node past forward."""
+        return self.bases.setdefault(key, len(self.bases))
 
     def hold_inputs(self, tensors: list) -> None:
         """Holds the unit's eligible tensor inputs, numbered as replay numbers them (_inputs)."""
@@ -403,7 +410,7 @@ class _Tried:
     its frame until Python's cycle collector runs: a whole step's activations on the GPU)."""
     place: int
     recipe: PlaceRecipe
-    base_key: object
+    base_key: int            # the base's number in its call (saves that share one share it)
     nbytes: int
     storage: int
     timing: tuple            # (start clock, end clock, host seconds) of building its base
@@ -474,8 +481,8 @@ class RebuildProbe:
         self.forward_cpu_s += checked - begun
         # Not held, as in replay, where it is rebuilt; should it turn out unequal, the recipes
         # that could have read it are missed, which costs bytes, not correctness.
-        rebuild, (node, nr, cast) = bound
-        base_key = (id(node), nr, cast)  # the node held here would wait for the cycle collector (see _Tried)
+        rebuild, key = bound
+        base_key = call.base_number(key)  # not the node: held by _Tried, it would wait for the cycle collector
         _keep_busy(tensor.device)
         start, host = self._timer(), time.perf_counter()
         with torch.no_grad():
