@@ -60,8 +60,8 @@ class _Rerun(torch.autograd.Function):
     a tensor is: autograd lets it go once a backward that does not retain the graph has run the
     node, as it does checkpoint's saved inputs. Held on ``ctx`` instead, every recomputed unit's
     inputs would stay until the whole graph is gone, at the end of backward: one input of each
-    unit more at backward's peak (544 MiB for 17 layers of a Llama-style decoder at batch 8 x
-    1024, whose plan had counted on checkpoint's)."""
+    unit more at backward's peak than calibration (through checkpoint) measured, 544 MiB for 17
+    layers of a Llama-style decoder at batch 8 x 1024."""
 
     @staticmethod
     def forward(ctx, carrier: torch.Tensor, *tensors: torch.Tensor):
