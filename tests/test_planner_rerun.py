@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from um_alloc.planner import Decision, find_units
 from um_alloc.planner import rerun
@@ -166,6 +168,46 @@ def test_a_nodes_inputs_go_once_backward_has_run_it(decision, monkeypatch):
         for hook in hooks:
             hook.remove()
         runtime.detach()
+
+
+class LiveBytes(TorchDispatchMode):
+    """While entered, the most bytes of storage that the tensors ops made held at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.refs += [weakref.ref(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.refs = [ref for ref in self.refs if ref() is not None]
+        storages = {ref().untyped_storage().data_ptr(): ref().untyped_storage().nbytes() for ref in self.refs}
+        self.peak = max(self.peak, sum(storages.values()))
+        return out
+
+
+def test_a_step_as_one_node_peaks_no_higher_than_through_checkpoint():
+    """Calibration measures recomputation through torch.utils.checkpoint and the plan counts on
+    its peak: as one node, the step must hold no more at any moment."""
+    peaks = {}
+    for one_node in (False, True):
+        model = Stack(n=4).double()
+        units = find_units(model)
+        runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
+                          1 << 20, min_bytes=1, one_node_recompute=one_node)
+        runtime.attach()
+        x = torch.randn(4096, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        try:
+            gradients(model, x)
+            assert block_reruns(runtime) == [True if one_node else False] * 4
+            live = LiveBytes()
+            with live:
+                gradients(model, x)
+        finally:
+            runtime.detach()
+        peaks[one_node] = live.peak
+    assert peaks[True] <= peaks[False]
 
 
 def test_the_installed_policy_can_keep_checkpoint_throughout(monkeypatch):
