@@ -48,6 +48,15 @@ def test_check_says_a_budget_is_reactive_only_where_the_policy_asks(tmp_path):
     assert "budget 4.0 GiB (reactive)" in result.stdout
 
 
+def test_check_says_where_the_planner_keeps_checkpoint_throughout(tmp_path):
+    through = tmp_path / "through_checkpoint.yaml"
+    through.write_text("scheduler: {budget: 4GiB, strategy: auto, one_node_recompute: false}\n")
+    result = run_cli("check", "--device-memory", "8GiB", through, "planner")
+    assert result.returncode == 0, result.stderr
+    assert "budget 4.0 GiB (hard, block planner through torch.utils.checkpoint)" in result.stdout
+    assert "(hard, block planner)" in result.stdout  # planner.yaml: as one node where a block allows
+
+
 def test_check_reports_every_bad_file_and_exits_1(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tags:\n  parameter:\n    preferred_location: gpuu\n")

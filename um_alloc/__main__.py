@@ -43,8 +43,11 @@ def _budget_mode(scheduler) -> str:
     hard unless the policy asks for evict_live: true."""
     if scheduler.evict_live:
         return "reactive"
-    return {"offload": "hard, offload activations", "auto": "hard, block planner",
+    mode = {"offload": "hard, offload activations", "auto": "hard, block planner",
             "checkpoint": "hard, every block recomputed"}.get(scheduler.strategy, "hard")
+    if scheduler.strategy in ("auto", "checkpoint") and not scheduler.one_node_recompute:
+        mode += " through torch.utils.checkpoint"
+    return mode
 
 
 def _advice_text(advice: TagAdvice) -> str:
