@@ -281,6 +281,29 @@ def test_a_unit_recomputed_as_one_node_trains_as_plain_autograd(name, decision, 
                if p is not None)
 
 
+def test_a_model_that_checkpoints_its_own_layers_trains_as_it_does_alone():
+    """um_alloc.plan on a model whose layers Hugging Face already checkpoints (the launcher and the
+    callbacks leave such a model alone; a script may not): the planner's recomputation, as one
+    node from the second step, nests around the model's own, and dropout's masks and the
+    gradients are what the model computes alone."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    model.train().config.use_cache = False
+    alone = copy.deepcopy(model)
+    for m in (model, alone):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = batch_of("text", torch.float32)
+    planner = BlockPlanner(model, "1GiB", decisions=["recompute"], lean_loss=False)
+    planner._runtime.min_bytes = 1
+    try:
+        for _ in range(3):
+            assert same(step(model, batch), step(alone, batch))
+        assert [planner._runtime._reruns[j] for j, u in enumerate(planner.units) if u.kind == "block"] == [True] * 3
+    finally:
+        planner.remove()
+
+
 def test_a_mixture_of_experts_with_its_balancing_loss_stays_with_checkpoint():
     """Mixtral's router logits, caught by Hugging Face's hooks inside each layer, feed the
     balancing loss: they leave the layers other than among their outputs, so the layers stay
