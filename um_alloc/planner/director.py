@@ -372,8 +372,13 @@ class BlockPlanner:
 
     def on_out_of_memory(self) -> None:
         """A planned step ran out of memory: keep less from now on (a larger margin), plan again."""
-        self.margin += max(256 << 20, self.budget // 16)
-        log.warning("planner: a step ran out of memory; margin now %s, planning again", format_size(self.margin))
+        grown = max(256 << 20, self.budget // 16)
+        self.margin += grown
+        # A loop that does not run the step again ends with the error; run again, the planner
+        # would start from its default margin and plan the same step.
+        log.warning("planner: a step ran out of memory; margin now %s, planning again. A training loop that "
+                    "does not run the step again stops here: then a budget %s lower plans with this margin "
+                    "from the first step", format_size(self.margin), format_size(grown))
         for shape in self._shapes.values():
             if shape.calibration is not None:
                 self._plan_shape(shape)
