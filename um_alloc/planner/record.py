@@ -135,7 +135,8 @@ class StepRecorder:
     def pair(self, kind: str, unit: int, start: int, end: int, not_saved: int = 0) -> None:
         """A unit's forward ("forward") or recomputation ("recompute") ran between two marks;
         `not_saved`: of what a recomputation left live, its outputs that backward does not keep
-        (a rerun as one node holds them until its gradients are taken)."""
+        (a rerun as one node still holds them where the recomputation's end is marked, and lets them
+        go before its gradients are taken)."""
         self._pairs.append((kind, unit, start, end))
         if kind == "recompute":
             self.units[unit].rebuilt_bytes += max(self.marks[end].live - self.marks[start].live - not_saved, 0)
