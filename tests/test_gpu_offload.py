@@ -66,3 +66,25 @@ def test_a_stage_moves_every_byte_both_ways_in_slices(cuda_device, slots, fill_s
     torch.cuda.synchronize()
     assert torch.equal(host, data.cpu()) and torch.equal(back, data)
     stage.close()
+
+
+def test_a_copys_timing_leaves_out_the_wait_for_the_tensor_it_copies(cuda_device):
+    """The rate plans are costed at comes from these timings: a copy queued while the GPU is still
+    making its tensor must not count that time as the link's."""
+    from um_alloc.offload import STAGE_BYTES, ActivationOffload
+    from um_alloc.planner.record import link_rate
+
+    budget = 1 << 40
+    offload = ActivationOffload(budget, margin=0, peak_fn=lambda: budget - STAGE_BYTES, staging=True)
+    weight = torch.randn(16 << 20, device="cuda", requires_grad=True)  # 64 MiB
+    offload.time_copies()
+    with offload.step():
+        torch.cuda._sleep(200_000_000)        # about 0.1 s of GPU time before the saved tensor is made
+        saved = torch.randn(16 << 20, device="cuda")
+        (weight * saved).sum().backward()    # mul saves `saved`, which goes out and comes back
+    out_rate, in_rate = offload.copy_rates()
+    assert offload.stats.out_bytes == 64 << 20
+    link = link_rate(torch.device("cuda"))
+    # At the link's rate the copy takes about 1.3 ms; counted from before the sleep, about 100 ms.
+    assert out_rate > link / 4, f"copies out timed at {out_rate / 1e9:.1f} GB/s, the link at {link / 1e9:.1f}"
+    assert in_rate > link / 4, f"copies back timed at {in_rate / 1e9:.1f} GB/s, the link at {link / 1e9:.1f}"

@@ -459,6 +459,10 @@ class ActivationOffload:
             staged = self._stages is not None and dense(tensor)  # same strides: the same bytes, in order
             reader = self._fill_stream if staged else self._out_stream
             reader.wait_event(produced)
+            if staged:
+                # The stage's copies to the host wait for the reader's anyway; waiting here as well
+                # starts the copy's timing when the tensor is there, not while compute still makes it.
+                self._out_stream.wait_event(produced)
             with torch.cuda.stream(self._out_stream), self._timed("out", tensor.numel() * tensor.element_size()):
                 if staged:
                     self._stages[0].to_host(byte_view(tensor), byte_view(host), fill_stream=reader)
