@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,29 +78,32 @@ def main(argv=None) -> dict:
     batches = [{k: v.pin_memory() for k, v in zoo.make_batch(args.batch or zoo.batch, False, generator).items()}
                for _ in range(2)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-    record = torch.profiler.record_function
-    for step in range(args.step + 1):
-        traced = step == args.step
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA]) if traced else None
-        if profiler:
-            profiler.__enter__()
+
+    def step(number: int) -> float:
+        """One training step in the phases' host ranges; its host seconds."""
         begun = time.perf_counter()
-        inputs = {k: v.cuda(non_blocking=True) for k, v in batches[step % 2].items()}
-        with record("forward"), autocast:
+        inputs = {k: v.cuda(non_blocking=True) for k, v in batches[number % 2].items()}
+        with torch.profiler.record_function("forward"), autocast:
             loss = model(**inputs).loss
-        with record("backward"):
+        with torch.profiler.record_function("backward"):
             loss.backward()
-        with record("optimizer"):
+        with torch.profiler.record_function("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        host_s = time.perf_counter() - begun
-    profiler.__exit__(None, None, None)
-    trace = Path(f"/tmp/phase_profile_{args.label}.json")
-    profiler.export_chrome_trace(str(trace))
+        loss.item()  # waits for the step, as a loop that logs its loss does
+        return time.perf_counter() - begun
+
+    for number in range(args.step):
+        step(number)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        host_s = step(args.step)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
     result = {"model": args.model, "label": args.label, "step": args.step, "host_step_ms": host_s * 1e3,
-              **phase_figures(json.loads(trace.read_text())["traceEvents"])}
+              **phase_figures(events)}
     with args.out.open("a") as f:
         f.write(json.dumps(result) + "\n")
     print(json.dumps(result))
