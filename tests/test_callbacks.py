@@ -158,3 +158,22 @@ def test_a_real_lightning_trainer_runs_the_callback(fake_install):
     pl.Trainer(accelerator="cpu", max_steps=4, callbacks=[callback], logger=False, enable_checkpointing=False,
                enable_progress_bar=False).fit(Lit(), loader)
     assert callback.report["global_step"] == 4 and callback.report["planner"]["plan"]
+
+
+def test_the_summary_puts_the_measured_step_beside_the_predicted_once_the_plan_has_run(fake_install, monkeypatch):
+    from um_alloc.integrations.attach import plan_text
+    from um_alloc.planner import plan
+
+    model = tiny_bert()
+    planner = plan(model, budget="1GiB")
+    assert plan_text(planner) == planner.table()  # no plan yet: nothing measured to show
+    optimizer = torch.optim.AdamW(model.parameters())
+    train(model, optimizer, 4)
+    assert planner.plan is not None
+    predicted = planner.plan.predicted_step_s
+    assert plan_text(planner) == planner.table()  # on the CPU no CUDA events time the steps
+    monkeypatch.setattr(planner, "measured_step_s", lambda: 0.0123)
+    text = plan_text(planner)
+    assert text.startswith(planner.table())
+    assert text.endswith(f"measured step 12.3 ms, the median of the plan's steps (predicted {1e3 * predicted:.1f} ms)")
+    planner.remove()

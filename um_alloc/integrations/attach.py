@@ -26,7 +26,7 @@ from ..stats import memory_stats, memory_summary
 from ..tags import tag_module, tag_training
 from ..wrappers import unwrap_model
 
-__all__ = ["choose_policy", "install_before_cuda", "attach_planner", "Attached", "report", "summary_text",
+__all__ = ["choose_policy", "install_before_cuda", "attach_planner", "Attached", "report", "summary_text", "plan_text",
            "write_json"]
 
 log = logging.getLogger("um_alloc")
@@ -105,7 +105,17 @@ def report(planner: BlockPlanner | None, **extra) -> dict:
 def summary_text(planner: BlockPlanner | None) -> str:
     """memory_summary(), then the plan's table when a planner ran."""
     text = memory_summary()
-    return text if planner is None else f"{text}\n{planner.table()}"
+    return text if planner is None else f"{text}\n{plan_text(planner)}"
+
+
+def plan_text(planner: BlockPlanner) -> str:
+    """The plan's table and, once the plan has run, its measured step beside the predicted one."""
+    plan = planner.plan
+    measured = planner.measured_step_s() if plan is not None else None
+    if measured is None:
+        return planner.table()
+    return (f"{planner.table()}\nmeasured step {1e3 * measured:.1f} ms, the median of the plan's steps "
+            f"(predicted {1e3 * plan.predicted_step_s:.1f} ms)")
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
