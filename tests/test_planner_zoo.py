@@ -1,6 +1,7 @@
 """The planner on models it was not written for: tiny Hugging Face models built from their configs
-(no downloads): decoder-only, encoder-decoder (text and speech), mixture-of-experts, a layer
-shared across depth, two towers in one model, vision transformers and convolutional networks.
+(no downloads): decoder-only, encoder-decoder (text and speech), mixture-of-experts, a state-space
+scan, a layer shared across depth, two towers in one model, vision transformers and convolutional
+networks.
 For each: the blocks it finds; every decision forced on every block trains as plain autograd
 does, bit for bit, in float64 and under bf16 autocast (where casts, autocast's cache and the
 rebuilds meet); and the planner itself, calibrating two steps and then rebuilding under bf16
@@ -77,9 +78,43 @@ ZOO = {
                    vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                       image_size=IMAGE, patch_size=4)),
              "text and image", {"CLIPEncoderLayer": 4}, None, {"layer_norm"}),  # two towers; quick GELU by hand
+    "gpt2": (_make(transformers.GPT2Config, transformers.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=32, n_layer=2,
+                   n_head=2, n_positions=64), "text", {"GPT2Block": 2}, None, {"layer_norm"}),  # GELU by hand
+    "gemma2": (_make(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, num_key_value_heads=1, head_dim=16,
+                     sliding_window=8, **DECODER), "text", {"Gemma2DecoderLayer": 2}, None, {"gelu"}),
+    "phi": (_make(transformers.PhiConfig, transformers.PhiForCausalLM, **DECODER),  # attention beside the MLP
+            "text", {"PhiDecoderLayer": 2}, None, {"layer_norm"}),
+    "opt": (_make(transformers.OPTConfig, transformers.OPTForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                  num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32,
+                  max_position_embeddings=64), "text", {"OPTDecoderLayer": 2}, None, {"layer_norm"}),
+    "bloom": (_make(transformers.BloomConfig, transformers.BloomForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                    n_layer=2, n_head=2), "text", {"BloomBlock": 2}, None, {"layer_norm"}),  # ALiBi
+    "gptj": (_make(transformers.GPTJConfig, transformers.GPTJForCausalLM, vocab_size=VOCAB, n_embd=32, n_layer=2,
+                   n_head=2, rotary_dim=8, n_positions=64), "text", {"GPTJBlock": 2}, None, {"layer_norm"}),
+    "distilbert": (_make(transformers.DistilBertConfig, transformers.DistilBertForMaskedLM, vocab_size=VOCAB, dim=32,
+                         n_layers=2, n_heads=2, hidden_dim=64),
+                   "text", {"TransformerBlock": 2}, None, {"gelu", "layer_norm"}),
+    "qwen2_moe": (_make(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, num_key_value_heads=1,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, experts_implementation="eager", **DECODER),
+                  "text", {"Qwen2MoeDecoderLayer": 2}, None, {"silu"}),  # a shared expert beside the routed
+    "mamba": (_make(transformers.MambaConfig, transformers.MambaForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                    num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4),  # a selective scan, no attention:
+              "text", {"MambaBlock": 2}, None, {"silu"}),  # it saves slices of larger tensors, which move as laid out
     "vit": (_make(transformers.ViTConfig, transformers.ViTForImageClassification, hidden_size=32, num_hidden_layers=2,
                   num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4, num_labels=3),
             "image", {"ViTLayer": 2}, None, {"gelu", "layer_norm"}),
+    "dinov2": (_make(transformers.Dinov2Config, transformers.Dinov2ForImageClassification, hidden_size=32,
+                     num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4,
+                     num_labels=3), "image", {"Dinov2Layer": 2}, None, {"gelu", "layer_norm"}),  # layer scale
+    "beit": (_make(transformers.BeitConfig, transformers.BeitForImageClassification, hidden_size=32,
+                   num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4,
+                   num_labels=3), "image", {"BeitLayer": 2}, None, {"gelu", "layer_norm"}),
+    "mobilevit": (_make(transformers.MobileViTConfig, transformers.MobileViTForImageClassification, image_size=IMAGE,
+                        patch_size=2, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 8, 8, 8, 8, 16],
+                        num_labels=3),  # convolutions and transformer layers, three classes of block
+                  "image", {"MobileViTMobileNetLayer": 1, "MobileViTInvertedResidual": 3,
+                            "MobileViTTransformerLayer": 9}, None, {"layer_norm", "silu"}),
     "swin": (_make(transformers.SwinConfig, transformers.SwinForImageClassification, image_size=IMAGE, patch_size=2,
                    embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2, num_labels=3),
              "image", {"SwinLayer": 4}, None, {"gelu", "layer_norm"}),

@@ -449,8 +449,10 @@ class ActivationOffload:
 
     def _copy_out(self, tensor: torch.Tensor) -> _Packed:
         # Dense tensors keep their layout (a flat copy), so views of the same storage can be
-        # rebuilt from the copy; others are copied contiguous.
-        stride = tensor.stride() if dense(tensor) else torch.empty(tensor.shape, device="meta").stride()
+        # rebuilt from the copy. Others (a slice of a larger tensor) are copied dense, with their
+        # dimensions in the same order of strides, as torch.clone lays them out: a matmul in
+        # backward then reads them transposed or not as it did, and adds in the same order.
+        stride = tensor.stride() if dense(tensor) else torch.empty_like(tensor, device="meta").stride()
         self._check_host_memory(tensor.numel() * tensor.element_size())
         host = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, pin_memory=self._cuda)
         done = None
@@ -467,7 +469,7 @@ class ActivationOffload:
                 if staged:
                     self._stages[0].to_host(byte_view(tensor), byte_view(host), fill_stream=reader)
                 else:
-                    host.copy_(tensor, non_blocking=True)
+                    host.copy_(_laid_out_as(tensor, host), non_blocking=True)
                 done = self._out_stream.record_event()
             tensor.record_stream(reader)  # its memory is reused only after the stream that reads it
         else:
@@ -553,6 +555,14 @@ class ActivationOffload:
                     return
                 self._copy_in(packed)
             self._cursor -= 1
+
+
+def _laid_out_as(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or its copy on its device in `host`'s strides where they differ: a copy to pinned
+    memory of another layout would go through a pageable buffer and hold up the host."""
+    if tensor.stride() == host.stride():
+        return tensor
+    return torch.empty_strided(host.shape, host.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 def copy_rates(copies: list[tuple[str, float, int]]) -> tuple[float, float]:
