@@ -444,3 +444,41 @@ def test_a_refused_batch_does_not_suggest_host_optimizer_state_to_a_policy_that_
         monkeypatch.setattr(director, "is_installed", lambda: True)
         monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=load_policy(name)))
         assert director._lighter_hint() == hint, name
+
+
+@pytest.mark.parametrize("decision", ["recompute", "recompute_moved", "rebuild", "move"])
+def test_gradient_accumulation_trains_as_plain_training_does(decision):
+    """Three micro-batches a step, each its own forward and backward into the same gradients (a
+    Trainer's gradient_accumulation_steps=3), dropout on: the planner measures two of them, then
+    every block runs `decision`, and the parameters after each optimizer step are plain training's."""
+    def tiny_gpt2():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=3, n_head=2)
+        model = transformers.GPT2LMHeadModel(config).double().train()
+        model.config.use_cache = False
+        return model
+
+    def train(model, planner=None):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(5)
+        for step in range(4):
+            if planner is not None and step == 1:  # its two measuring micro-batches are behind it
+                planner.force(decision)
+            for micro in range(3):
+                ids = torch.randint(0, 97, (2, 16), generator=data)
+                torch.manual_seed(100 * step + micro)
+                (model(input_ids=ids, labels=ids).loss / 3).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach() for p in model.parameters()]
+
+    model = tiny_gpt2()
+    plain = train(copy.deepcopy(model))
+    planner = BlockPlanner(model, "1GiB")
+    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
+    try:
+        planned = train(model, planner)
+        assert planner.plan.counts()[decision] == 3
+    finally:
+        planner.remove()
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
