@@ -482,3 +482,48 @@ def test_gradient_accumulation_trains_as_plain_training_does(decision):
     finally:
         planner.remove()
     assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
+@pytest.mark.parametrize("compile_first", [False, True], ids=["plan-then-compile", "compile-then-plan"])
+def test_under_torch_compile_the_units_run_eagerly_and_train_as_plain_training(compile_first):
+    """torch.compile leaves the planner's wrappers and hooks to Python (its saved-tensor hooks and
+    events cannot live in a graph: traced into one, the safe step's moves failed to compile), so the
+    units run as they do without it and what lies outside them compiles. aot_eager: the same
+    kernels as eager, so the same bits."""
+    def tiny_gpt2():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=3, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        model.config.use_cache = False
+        return model
+
+    def train(model, call, planner=None):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(5)
+        for step in range(5):
+            if planner is not None and step == 3:  # planned from step 2; recompute from step 3
+                planner.force("recompute")
+            ids = torch.randint(0, 97, (2, 16), generator=data)
+            call(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach() for p in model.parameters()]
+
+    model = tiny_gpt2()
+    plain_model = copy.deepcopy(model)
+    plain = train(plain_model, plain_model)
+    torch._dynamo.reset()
+    if compile_first:
+        compiled = torch.compile(model, backend="aot_eager")
+        planner = BlockPlanner(compiled, "1GiB")
+    else:
+        planner = BlockPlanner(model, "1GiB")
+        compiled = torch.compile(model, backend="aot_eager")
+    try:
+        planned = train(model, compiled, planner)
+        assert planner.safe_steps == 2 and planner.plan.counts()["recompute"] == 3
+    finally:
+        planner.remove()
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))

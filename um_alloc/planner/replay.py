@@ -172,9 +172,9 @@ class Runtime:
     def attach(self) -> None:
         for index, unit in enumerate(self.units):
             forward = unit.module.forward
-            unit.module.forward = functools.partial(self._call, index, forward)
-        self._handles = [self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
-                         self.model.register_forward_hook(self._end_forward, always_call=True)]
+            unit.module.forward = _eager(functools.partial(self._call, index, forward))
+        self._handles = [self.model.register_forward_pre_hook(_eager(self._begin), with_kwargs=True),
+                         self.model.register_forward_hook(_eager(self._end_forward), always_call=True)]
         self._cached = _caches_off(self.model)
 
     def detach(self) -> None:
@@ -488,6 +488,12 @@ class _Unchanged:
         """Moved inputs: the rerun reads their host copies, and they may go."""
         gone = {id(t) for t in tensors}
         self.watched = [(t, v) for t, v in self.watched if id(t) not in gone]
+
+
+def _eager(function: Callable) -> Callable:
+    """`function`, run as Python runs it under torch.compile too: its hooks, events and saved-tensor
+    hooks are the planner's own bookkeeping, which a compiled graph cannot hold."""
+    return torch.compiler.disable(function)
 
 
 def _caches_off(model: nn.Module) -> list:
