@@ -527,3 +527,59 @@ def test_under_torch_compile_the_units_run_eagerly_and_train_as_plain_training(c
         planner.remove()
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
+class LowRankAdapter(torch.nn.Module):
+    """A frozen linear layer plus a trainable low-rank update, as LoRA fine-tuning adds them."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = torch.nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
+        self.up = torch.nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+        torch.nn.init.normal_(self.up.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+@pytest.mark.parametrize("decision", ["recompute", "recompute_moved", "rebuild", "move"])
+@pytest.mark.parametrize("frozen", ["adapters", "lower half"])
+def test_frozen_parameters_train_as_plain_training_does(frozen, decision):
+    """Fine-tuning: every weight frozen but low-rank adapters in the attention, or the embeddings and
+    the lower half of the layers frozen (their blocks' inputs need no gradient)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=64)
+    model = transformers.LlamaForCausalLM(config).double().train()
+    model.config.use_cache = False
+    if frozen == "adapters":
+        model.requires_grad_(False)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj = LowRankAdapter(layer.self_attn.q_proj)
+            layer.self_attn.v_proj = LowRankAdapter(layer.self_attn.v_proj)
+    else:
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[:2].requires_grad_(False)
+
+    def train(model, planner=None):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        data = torch.Generator().manual_seed(5)
+        for step in range(5):
+            if planner is not None and step == 3:
+                planner.force(decision)
+            ids = torch.randint(0, 97, (2, 16), generator=data)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach() for p in model.parameters()]
+
+    plain = train(copy.deepcopy(model))
+    planner = BlockPlanner(model, "1GiB")
+    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
+    try:
+        planned = train(model, planner)
+        assert planner.plan.counts()[decision] == 4
+    finally:
+        planner.remove()
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
