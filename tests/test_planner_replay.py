@@ -583,3 +583,53 @@ def test_frozen_parameters_train_as_plain_training_does(frozen, decision):
     finally:
         planner.remove()
     assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
+class TorchSeq2Seq(torch.nn.Module):
+    """PyTorch's own nn.Transformer (encoder and decoder layers, padding and causal masks, dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(97, 32)
+        self.transformer = torch.nn.Transformer(32, 2, 2, 2, 64, dropout=0.1, batch_first=True)
+        self.head = torch.nn.Linear(32, 97)
+
+    def forward(self, ids, padding):
+        target = self.embed(ids[:, :8])
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(8, dtype=target.dtype)
+        return self.head(self.transformer(self.embed(ids), target, tgt_mask=causal, src_key_padding_mask=padding))
+
+
+@pytest.mark.parametrize("decision", ["recompute", "recompute_moved", "rebuild", "move", "selective"])
+def test_pytorchs_own_transformer_trains_as_plain_training_does(decision):
+    torch.manual_seed(0)
+    model = TorchSeq2Seq().double().train()
+
+    def train(model, planner=None):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(5)
+        for step in range(5):
+            if planner is not None and step == 3:
+                planner.force(decision)
+            ids = torch.randint(0, 97, (2, 16), generator=data)
+            padding = torch.zeros(2, 16, dtype=torch.bool)
+            padding[1, -4:] = True
+            torch.manual_seed(step)  # dropout's masks: the same draws in both runs
+            logits = model(ids, padding)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, :8].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach() for p in model.parameters()]
+
+    plain = train(copy.deepcopy(model))
+    planner = BlockPlanner(model, "1GiB")
+    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
+    try:
+        planned = train(model, planner)
+        assert [u.name for u in planner.units if u.kind == "block"] == [
+            "transformer.encoder.layers.0", "transformer.encoder.layers.1",
+            "transformer.decoder.layers.0", "transformer.decoder.layers.1"]
+        assert planner.plan.counts()[decision] == 4
+    finally:
+        planner.remove()
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
