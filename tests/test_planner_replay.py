@@ -446,6 +446,20 @@ def test_a_refused_batch_does_not_suggest_host_optimizer_state_to_a_policy_that_
         assert director._lighter_hint() == hint, name
 
 
+def assert_planned_training_is_plain(model, train, decision: str, blocks: int):
+    """`train(model, planner)` (which forces `decision` once the planner has planned) gives the
+    parameters plain training gives a copy of `model`, `train(copy, None)`, bit for bit."""
+    plain = train(copy.deepcopy(model))
+    planner = BlockPlanner(model, "1GiB")
+    planner._runtime.min_bytes = 1  # the tiny models' tensors are far below 1 MiB
+    try:
+        planned = train(model, planner)
+        assert planner.plan.counts()[decision] == blocks
+    finally:
+        planner.remove()
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
 @pytest.mark.parametrize("decision", ["recompute", "recompute_moved", "rebuild", "move"])
 def test_gradient_accumulation_trains_as_plain_training_does(decision):
     """Three micro-batches a step, each its own forward and backward into the same gradients (a
@@ -472,16 +486,7 @@ def test_gradient_accumulation_trains_as_plain_training_does(decision):
             optimizer.zero_grad(set_to_none=True)
         return [p.detach() for p in model.parameters()]
 
-    model = tiny_gpt2()
-    plain = train(copy.deepcopy(model))
-    planner = BlockPlanner(model, "1GiB")
-    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
-    try:
-        planned = train(model, planner)
-        assert planner.plan.counts()[decision] == 3
-    finally:
-        planner.remove()
-    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+    assert_planned_training_is_plain(tiny_gpt2(), train, decision, blocks=3)
 
 
 @pytest.mark.parametrize("compile_first", [False, True], ids=["plan-then-compile", "compile-then-plan"])
@@ -574,15 +579,7 @@ def test_frozen_parameters_train_as_plain_training_does(frozen, decision):
             optimizer.zero_grad(set_to_none=True)
         return [p.detach() for p in model.parameters()]
 
-    plain = train(copy.deepcopy(model))
-    planner = BlockPlanner(model, "1GiB")
-    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
-    try:
-        planned = train(model, planner)
-        assert planner.plan.counts()[decision] == 4
-    finally:
-        planner.remove()
-    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+    assert_planned_training_is_plain(model, train, decision, blocks=4)
 
 
 class TorchSeq2Seq(torch.nn.Module):
@@ -621,15 +618,7 @@ def test_pytorchs_own_transformer_trains_as_plain_training_does(decision):
             optimizer.zero_grad(set_to_none=True)
         return [p.detach() for p in model.parameters()]
 
-    plain = train(copy.deepcopy(model))
-    planner = BlockPlanner(model, "1GiB")
-    planner._runtime.min_bytes = 1  # the tiny model's tensors are far below 1 MiB
-    try:
-        planned = train(model, planner)
-        assert [u.name for u in planner.units if u.kind == "block"] == [
-            "transformer.encoder.layers.0", "transformer.encoder.layers.1",
-            "transformer.decoder.layers.0", "transformer.decoder.layers.1"]
-        assert planner.plan.counts()[decision] == 4
-    finally:
-        planner.remove()
-    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+    blocks = [u.name for u in find_units(model) if u.kind == "block"]
+    assert blocks == ["transformer.encoder.layers.0", "transformer.encoder.layers.1",
+                      "transformer.decoder.layers.0", "transformer.decoder.layers.1"]
+    assert_planned_training_is_plain(model, train, decision, blocks=4)
