@@ -88,3 +88,28 @@ def test_a_copys_timing_leaves_out_the_wait_for_the_tensor_it_copies(cuda_device
     # At the link's rate the copy takes about 1.3 ms; counted from before the sleep, about 100 ms.
     assert out_rate > link / 4, f"copies out timed at {out_rate / 1e9:.1f} GB/s, the link at {link / 1e9:.1f}"
     assert in_rate > link / 4, f"copies back timed at {in_rate / 1e9:.1f} GB/s, the link at {link / 1e9:.1f}"
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_a_slice_of_a_larger_tensor_moves_in_its_own_order_and_backward_is_exact(cuda_device, staging):
+    """A saved tensor that is not dense goes to pinned memory laid out as torch.clone lays it out
+    (copied into that layout on the GPU first, so the copy to the host needs no pageable buffer),
+    and backward reads it back as it read the original: the same gradient, bit for bit."""
+    from um_alloc.offload import STAGE_BYTES, ActivationOffload
+
+    torch.manual_seed(0)
+    fused = torch.randn(1024, 3072, device="cuda")
+    weight = torch.randn(256, 512, device="cuda", requires_grad=True)
+    part = fused[:, 1024:1536].t()                 # (512, 1024), strides (1, 3072): not dense, column-major
+
+    def gradient(offload=None):
+        weight.grad = None
+        with offload.step() if offload else torch.enable_grad():
+            (weight @ part).sum().backward()       # mm saves `part` for weight's gradient
+        return weight.grad.clone()
+
+    budget = 1 << 40
+    reserved = STAGE_BYTES if staging else 0
+    offload = ActivationOffload(budget, margin=0, peak_fn=lambda: budget - reserved, staging=staging)
+    assert torch.equal(gradient(offload), gradient())
+    assert offload.stats.out_bytes == 512 * 1024 * 4
