@@ -14,7 +14,8 @@ For each model (bench/zoo_train.py: a plain loop with no um_alloc line, each run
   planner        python -m um_alloc run --budget B bench/zoo_train.py: the script unchanged
 
 With --ablations, what the planner's step is made of, each also under the launcher:
-  um_in_memory       no budget: um_alloc's allocator, everything in memory (once per model)
+  um_in_memory       no budget: um_alloc's allocator, everything in memory (right after each of
+                     stock's runs)
   um_checkpointing   no budget, every layer checkpointed by Hugging Face: the peer on um_alloc
   planner_recompute  the budget, the planner told to recompute every block (strategy: checkpoint)
 
@@ -200,20 +201,27 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
 
 def compare_model(model: str, args, run_id: str) -> list[dict]:
     """Stock, then every budget, then stock's other runs; every ratio to stock against its
-    pooled runs."""
+    pooled runs. With --ablations, um_alloc in memory runs right after each of stock's runs, so
+    that the two meet the host in the same state."""
     stock = [run_train(zoo_run("stock", model, args), args.timeout)]
     records = []
     if stock[0][0] is not None:
         peak = stock[0][0]["peak_bytes"]
+        in_memory = []
         if args.ablations:
             common = dict(model=model, run_id=run_id, stock_rate=None, budget=None)
-            records += [planner_record(launched_run("um_in_memory", model, args), "um_in_memory", **common),
-                        planner_record(launched_run("um_checkpointing", model, args, "--checkpoint-layers", "all"),
-                                       "um_checkpointing", **common)]
+            in_memory.append(launched_run("um_in_memory", model, args))
+            records.append(planner_record(launched_run("um_checkpointing", model, args, "--checkpoint-layers", "all"),
+                                          "um_checkpointing", **common))
         for budget in budgets_from(peak, args.fractions):
             print(f"[{model}] budget {format_size(budget)}", flush=True)
             records += compare_at(model, args, budget, run_id, peak)
-        stock += [run_train(zoo_run("stock", model, args), args.timeout) for _ in range(args.repeats - 1)]
+        for _ in range(args.repeats - 1):
+            stock.append(run_train(zoo_run("stock", model, args), args.timeout))
+            if args.ablations:
+                in_memory.append(launched_run("um_in_memory", model, args))
+        if in_memory:
+            records.insert(0, planner_record(pooled(in_memory), "um_in_memory", **common))
     stock_record = record(*pooled(stock), method="stock", model=model, run_id=run_id, stock_rate=None, budget=None)
     for r in [stock_record, *records]:
         r["ratio_vs_stock"] = ratio(r["samples_per_s"], stock_record["samples_per_s"])

@@ -215,3 +215,15 @@ def test_repeats_alternate_the_methods_and_record_the_median_of_their_runs(monke
     stock = records["stock"]
     assert stock["samples_per_s"] == pytest.approx(100 * 1.0) and stock["samples_per_s_runs"] == pytest.approx([100, 130, 100])
     assert records["planner"]["ratio_vs_stock"] == pytest.approx(95 * 1.1 / 100)
+
+
+def test_the_ablations_run_the_allocator_in_memory_right_after_each_of_stocks_runs(monkeypatch, tmp_path):
+    stand_in = StandIn()
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", "--ablations", "--repeats", "2"])
+    args.out_dir = tmp_path
+    records = bench_zoo.compare_model("vit", args, "zoo-test")
+    after_stock = [stand_in.runs[i + 1] for i, name in enumerate(stand_in.runs) if name == "stock"]
+    assert after_stock == ["um_in_memory", "um_in_memory"]
+    in_memory = next(r for r in records if r["method"] == "um_in_memory")
+    assert len(in_memory["samples_per_s_runs"]) == 2
