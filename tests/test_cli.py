@@ -57,6 +57,14 @@ def test_check_says_where_the_planner_keeps_checkpoint_throughout(tmp_path):
     assert "(hard, block planner)" in result.stdout  # planner.yaml: as one node where a block allows
 
 
+def test_check_names_the_block_classes_a_planner_policy_gives(tmp_path):
+    named = tmp_path / "named_blocks.yaml"
+    named.write_text("scheduler: {budget: 4GiB, strategy: auto, block_classes: [UNetDown, UNetUp]}\n")
+    result = run_cli("check", "--device-memory", "8GiB", named)
+    assert result.returncode == 0, result.stderr
+    assert "budget 4.0 GiB (hard, block planner, blocks: UNetDown, UNetUp)" in result.stdout
+
+
 def test_check_reports_every_bad_file_and_exits_1(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tags:\n  parameter:\n    preferred_location: gpuu\n")

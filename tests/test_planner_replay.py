@@ -622,3 +622,47 @@ def test_pytorchs_own_transformer_trains_as_plain_training_does(decision):
     assert blocks == ["transformer.encoder.layers.0", "transformer.encoder.layers.1",
                       "transformer.decoder.layers.0", "transformer.decoder.layers.1"]
     assert_planned_training_is_plain(model, train, decision, blocks=4)
+
+
+class Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.outer(torch.relu(self.inner(x)))
+
+
+class BlocksAsAttributes(torch.nn.Module):
+    """Blocks held one by one as attributes, in no ModuleList or Sequential: the search finds none."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.third = Residual(), Residual(), Residual()
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.third(self.second(self.first(x))))
+
+
+def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(monkeypatch):
+    """Under the launcher or a callback there is no call to pass block_classes to: the installed
+    policy's scheduler.block_classes names them. The error where none is found says both ways."""
+    from types import SimpleNamespace
+    from um_alloc.planner import director
+    from um_alloc.policy import policy_from_dict
+
+    with pytest.raises(ValueError, match=r"no repeated blocks found in BlocksAsAttributes.*scheduler.block_classes"):
+        BlockPlanner(BlocksAsAttributes(), "1GiB")
+    with pytest.raises(ValueError, match=r"no module of class Block in BlocksAsAttributes; its classes are: "
+                                         r"Linear, Residual"):
+        BlockPlanner(BlocksAsAttributes(), "1GiB", block_classes=["Block"])
+    policy = policy_from_dict({"scheduler": {"strategy": "auto", "block_classes": ["Residual"]}},
+                              source="p.yaml", name="p")
+    monkeypatch.setattr(director, "is_installed", lambda: True)
+    monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=policy, budget=1 << 30))
+    planner = BlockPlanner(BlocksAsAttributes())
+    try:
+        assert [u.name for u in planner.units if u.kind == "block"] == ["first", "second", "third"]
+    finally:
+        planner.remove()

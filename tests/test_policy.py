@@ -395,6 +395,18 @@ def test_one_node_recompute_is_on_unless_a_policy_turns_it_off():
         scheduler(one_node_recompute="no")
 
 
+def test_block_classes_name_the_planners_blocks_as_a_list_of_class_names():
+    def scheduler(**keys):
+        return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler
+
+    assert scheduler().block_classes == ()
+    assert scheduler(block_classes=["Block", "Stage", "Block"]).block_classes == ("Block", "Stage")
+    with pytest.raises(PolicyError, match=r"scheduler.block_classes: expected a list.*Write \[Block\]"):
+        scheduler(block_classes="Block")
+    with pytest.raises(PolicyError, match=r"scheduler.block_classes: invalid entry 'my block': not a class name"):
+        scheduler(block_classes=["my block"])
+
+
 def test_strategy_is_checked_and_offload_activations_is_its_offload():
     def scheduler(**keys):
         return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler

@@ -82,6 +82,9 @@ class SchedulerSettings:
     one_node_recompute: bool = True           # the block planner recomputes a block as one node
                                               # of the graph where it may; false: through
                                               # torch.utils.checkpoint (um_alloc.planner.rerun)
+    block_classes: tuple[str, ...] = ()       # class names of the block planner's blocks, where
+                                              # its search finds none or the wrong ones; empty:
+                                              # the search (um_alloc.planner.blocks)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,19 @@ def _accessors(value: Any, at: At) -> tuple[str, ...]:
     return tuple(a for a in ACCESSORS if a in value)   # deduplicated, canonical order
 
 
+def _class_names(value: Any, at: At) -> tuple[str, ...]:
+    allowed = "a list of class names, like [BertLayer], or [] for the planner's own search"
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise at.error("expected a list", allowed=allowed, received=value,
+                       hint=f"Write [{value}]." if isinstance(value, str) else None)
+    bad = [v for v in value if not isinstance(v, str) or not v.isidentifier()]
+    if bad:
+        raise at.error(f"invalid entry {bad[0]!r}: not a class name", allowed=allowed, received=value)
+    return tuple(dict.fromkeys(value))  # deduplicated, in the order given
+
+
 def _size(minimum: int = 0) -> Converter:
     return lambda value, at: arguments.size(value, at, minimum=minimum)
 
@@ -190,7 +206,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
-        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool,
+        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "block_classes": _class_names,
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,

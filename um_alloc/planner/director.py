@@ -105,6 +105,7 @@ class BlockPlanner:
             policy's scheduler.budget.
         strategy: "auto" (plan per block) or "checkpoint" (recompute every block: an ablation).
         block_classes: class names of the blocks, where the search finds none or the wrong ones.
+            Default: the installed policy's scheduler.block_classes, where it names any.
         margin: room left under the budget (default 512 MiB); grows after an out-of-memory step.
         window: bytes of copies back in flight ahead of backward (default 512 MiB).
         hide_fraction: share of the link's time under compute that moves may take (default 0.7).
@@ -147,11 +148,13 @@ class BlockPlanner:
         lean_loss = arguments.flag(lean_loss, _at("lean_loss"))
         one_node_recompute = _one_node_recompute(one_node_recompute)
         self.allowed = _decisions(decisions)
-        _class_names(block_classes)
+        block_classes = _block_classes(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
         if not any(u.kind == "block" for u in self.units):
             raise ValueError(f"BlockPlanner: no repeated blocks found in {type(model).__name__} (no ModuleList or "
-                             "Sequential holds two or more modules of one class); pass block_classes=[...]")
+                             "Sequential holds two or more modules of one class); name their class: "
+                             "block_classes=[...], or scheduler.block_classes: [...] in the policy (python -m "
+                             "um_alloc run and the callbacks, no code changed)")
         self.device = _device_of(model)
         self._probe = MemoryProbe(self.device)
         self._reserved = STAGE_BYTES if self.device.type == "cuda" and is_installed() else 0
@@ -570,12 +573,15 @@ def _forced(decisions, units) -> tuple[Decision, ...]:
     return tuple(_decision(d, u.allowed()) for d, u in zip(decisions, units))
 
 
-def _class_names(names) -> None:
+def _block_classes(names) -> list[str] | None:
+    """The block classes asked for: the argument, else the installed policy's, else None (the search)."""
     if names is None:
-        return
+        named = installation().policy.scheduler.block_classes if is_installed() else ()
+        return list(named) or None
     if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise _at("block_classes").error("not a list of class names", allowed='None, or a list like ["BertLayer"]',
                                          received=names)
+    return list(names)
 
 
 def _budget(value) -> int:
