@@ -1,5 +1,5 @@
-"""What the planner's CPU tests share: a director with fixed decisions, and a model that changes a
-block's input in place after the block has run."""
+"""What the planner's CPU tests share: a director with fixed decisions, a model that changes a
+block's input in place after the block has run, and one whose blocks the search cannot find."""
 import torch
 
 from um_alloc.planner import Decision
@@ -49,3 +49,24 @@ class ScaledAfter(torch.nn.Module):
             h.mul_(2.0)
             h = (y + h).float()
         return self.head(h).sum()
+
+
+class Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.outer(torch.relu(self.inner(x)))
+
+
+class BlocksAsAttributes(torch.nn.Module):
+    """Blocks held one by one as attributes, in no ModuleList or Sequential: the search finds none."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.third = Residual(), Residual(), Residual()
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.third(self.second(self.first(x))))

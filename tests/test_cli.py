@@ -40,12 +40,16 @@ def test_check_shipped_policies_exit_0():
     assert result.stderr == ""
 
 
-def test_check_says_a_budget_is_reactive_only_where_the_policy_asks(tmp_path):
-    reactive = tmp_path / "reactive.yaml"
-    reactive.write_text("scheduler: {budget: 4GiB, evict_live: true}\n")
-    result = run_cli("check", "--device-memory", "8GiB", reactive)
+@pytest.mark.parametrize("scheduler, mode", [
+    ("{budget: 4GiB, evict_live: true}", "reactive"),  # reactive only where the policy asks
+    ("{budget: 4GiB, strategy: auto, block_classes: [UNetDown, UNetUp]}", "hard, block planner, blocks: UNetDown, UNetUp"),
+], ids=["reactive", "named-blocks"])
+def test_check_says_what_a_budget_does_under_the_policy(tmp_path, scheduler, mode):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"scheduler: {scheduler}\n")
+    result = run_cli("check", "--device-memory", "8GiB", policy)
     assert result.returncode == 0, result.stderr
-    assert "budget 4.0 GiB (reactive)" in result.stdout
+    assert f"budget 4.0 GiB ({mode})" in result.stdout
 
 
 def test_check_says_where_the_planner_keeps_checkpoint_throughout(tmp_path):
@@ -55,14 +59,6 @@ def test_check_says_where_the_planner_keeps_checkpoint_throughout(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "budget 4.0 GiB (hard, block planner through torch.utils.checkpoint)" in result.stdout
     assert "(hard, block planner)" in result.stdout  # planner.yaml: as one node where a block allows
-
-
-def test_check_names_the_block_classes_a_planner_policy_gives(tmp_path):
-    named = tmp_path / "named_blocks.yaml"
-    named.write_text("scheduler: {budget: 4GiB, strategy: auto, block_classes: [UNetDown, UNetUp]}\n")
-    result = run_cli("check", "--device-memory", "8GiB", named)
-    assert result.returncode == 0, result.stderr
-    assert "budget 4.0 GiB (hard, block planner, blocks: UNetDown, UNetUp)" in result.stdout
 
 
 def test_check_reports_every_bad_file_and_exits_1(tmp_path):

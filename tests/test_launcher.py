@@ -291,25 +291,9 @@ def test_the_um_alloc_command_is_the_same_entry_point(tmp_path, fake_install, cl
 
 BLOCKS_AS_ATTRIBUTES = """
     import torch
+    from planner_helpers import BlocksAsAttributes  # tests/: blocks in no ModuleList or Sequential
 
-    class Residual(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner, self.outer = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
-
-        def forward(self, x):
-            return x + self.outer(torch.relu(self.inner(x)))
-
-    class Net(torch.nn.Module):  # its blocks in no ModuleList or Sequential
-        def __init__(self):
-            super().__init__()
-            self.first, self.second, self.third = Residual(), Residual(), Residual()
-            self.head = torch.nn.Linear(16, 2)
-
-        def forward(self, x):
-            return self.head(self.third(self.second(self.first(x))))
-
-    model = Net()
+    model = BlocksAsAttributes()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(4):
         model(torch.randn(8, 16)).sum().backward()
@@ -325,11 +309,11 @@ def test_blocks_the_search_cannot_find_are_named_in_the_policy(tmp_path, fake_in
     out_json = tmp_path / "run.json"
     assert cli.main(["run", "--policy", str(policy), "--budget", "1GiB", "--json", str(out_json), str(script)]) == 0
     report = json.loads(out_json.read_text())
-    assert report["model"] == "Net" and report["planner"]["blocks"] == 3
+    assert report["model"] == "BlocksAsAttributes" and report["planner"]["blocks"] == 3
 
 
 def test_without_them_the_script_runs_under_the_budget_and_the_warning_names_the_key(tmp_path, fake_install,
                                                                                      clean_process, caplog):
     script = write(tmp_path, "train.py", BLOCKS_AS_ATTRIBUTES)
     assert cli.main(["run", "--budget", "1GiB", str(script)]) == 0
-    assert "no planner for Net" in caplog.text and "scheduler.block_classes: [...] in the policy" in caplog.text
+    assert "no planner for BlocksAsAttributes" in caplog.text and "scheduler.block_classes: [...] in the policy" in caplog.text

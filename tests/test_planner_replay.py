@@ -7,7 +7,7 @@ import torch
 
 from um_alloc.planner import BlockPlanner, Decision, find_units
 from um_alloc.planner.replay import Runtime
-from planner_helpers import Block, Fixed, ScaledAfter, decisions_for
+from planner_helpers import Block, BlocksAsAttributes, Fixed, ScaledAfter, decisions_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -622,27 +622,6 @@ def test_pytorchs_own_transformer_trains_as_plain_training_does(decision):
     assert blocks == ["transformer.encoder.layers.0", "transformer.encoder.layers.1",
                       "transformer.decoder.layers.0", "transformer.decoder.layers.1"]
     assert_planned_training_is_plain(model, train, decision, blocks=4)
-
-
-class Residual(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inner, self.outer = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + self.outer(torch.relu(self.inner(x)))
-
-
-class BlocksAsAttributes(torch.nn.Module):
-    """Blocks held one by one as attributes, in no ModuleList or Sequential: the search finds none."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second, self.third = Residual(), Residual(), Residual()
-        self.head = torch.nn.Linear(16, 2)
-
-    def forward(self, x):
-        return self.head(self.third(self.second(self.first(x))))
 
 
 def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(monkeypatch):
