@@ -452,13 +452,14 @@ class ActivationOffload:
         # rebuilt from the copy. Others (a slice of a larger tensor) are copied dense, with their
         # dimensions in the same order of strides, as torch.clone lays them out: a matmul in
         # backward then reads them transposed or not as it did, and adds in the same order.
-        stride = tensor.stride() if dense(tensor) else torch.empty_like(tensor, device="meta").stride()
+        laid_out = dense(tensor)
+        stride = tensor.stride() if laid_out else torch.empty_like(tensor, device="meta").stride()
         self._check_host_memory(tensor.numel() * tensor.element_size())
         host = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, pin_memory=self._cuda)
         done = None
         if self._cuda:
             produced = torch.cuda.current_stream(self.device).record_event()
-            staged = self._stages is not None and dense(tensor)  # same strides: the same bytes, in order
+            staged = self._stages is not None and laid_out  # same strides: the same bytes, in order
             reader = self._fill_stream if staged else self._out_stream
             reader.wait_event(produced)
             if staged:
