@@ -24,6 +24,13 @@ def test_planned_training_gives_plain_trainings_losses(cuda_device):
     assert result["lean_loss_calls"] > 0          # the model's loss went through the chunked cross-entropy
 
 
+def test_a_compiled_model_trains_under_the_planner(cuda_device):
+    result = _check("compiled")
+    assert result["safe_steps"] == 2 and sum(result["plan"].values()) == 6 + 3
+    # Inductor fuses what lies between the units; the blocks run as eager: close, not bit for bit.
+    assert result["planned"] == pytest.approx(result["plain"], rel=2e-2)
+
+
 def test_rebuilt_blocks_give_plain_trainings_losses(cuda_device):
     result = _check("rebuild")
     assert result["planned"] == result["plain"]

@@ -3,6 +3,7 @@
     python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
+    python tests/gpu_scripts/planner_check.py compiled # through torch.compile (inductor): plain's losses, closely
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
     python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
     python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
@@ -84,6 +85,24 @@ def lengths() -> dict:
         if "last_step_ran_plan_of" in planner.to_dict()["inputs"]:
             borrowed.append((length, planner.plan.counts()))
     return {**losses, "safe_steps": planner.safe_steps, "inputs": planner.to_dict()["inputs"], "borrowed": borrowed}
+
+
+def compiled() -> dict:
+    """A small BERT through torch.compile (inductor) under the planner, beside the same model plain
+    and eager: the safe steps move the loss outside the units, whose saved-tensor hooks are traced
+    into the compiled graph of what lies between the units."""
+    plain, plain_opt = bert()
+    model, optimizer = bert()
+    planner = um_alloc.plan(model, budget="2GiB")
+    planner._runtime.lean_loss.min_bytes = 0
+    call = torch.compile(model)
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        losses["plain"].append(step(plain, plain_opt, ids, i))
+        losses["planned"].append(step(call, optimizer, ids, i))
+    return {**losses, "plan": planner.plan.counts(), "safe_steps": planner.safe_steps}
 
 
 def rebuild() -> dict:
@@ -239,7 +258,7 @@ def large_batch() -> dict:
             "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
-MODES = {"equal": equal, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths,
+MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths,
          "arenas": arenas, "gpt2": gpt2, "large_batch": large_batch}
 
 if __name__ == "__main__":

@@ -226,18 +226,25 @@ class Runtime:
         self._on_backward(step, None, output)
 
     def _saved_tensors_moved(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self.transfers.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        """What autograd saves in a moved unit (or, outside every unit, a moved rest): to host memory."""
+        """What autograd saves in a moved unit (or, outside every unit, a moved rest): to host memory.
+        Under torch.compile the rest's hooks are traced into the graph of what lies between the
+        units, where nothing can be copied out; what they see there stays on the GPU."""
         step = self._step
-        if step is None:
+        if step is None or torch.compiler.is_compiling():
             return tensor
         before = self.transfers.stats.out_bytes
         entry = self.transfers.pack(tensor)
         if step.spec.recorder:
             step.spec.recorder.units[self._where].moved_bytes += self.transfers.stats.out_bytes - before
         return entry
+
+    def _unpack(self, packed):
+        if torch.compiler.is_compiling():  # traced: _pack kept the tensor
+            return packed
+        return self.transfers.unpack(packed)
 
     def close_open_step(self) -> None:
         """A step whose backward never came (an exception, evaluation with gradients on)."""
