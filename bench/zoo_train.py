@@ -19,6 +19,7 @@ median, since what a new length costs is the point.
 
 No key-value cache: training needs none. --checkpoint-layers K checkpoints the first K of the model's layers in module order (Hugging
 Face's own gradient checkpointing, turned off layer by layer past K); "all" checkpoints every one.
+--compile trains through torch.compile(model), its default mode.
 --memory-limit caps PyTorch's allocator with set_per_process_memory_fraction. The last line of
 stdout is one JSON object; an out-of-memory ends the run with exit status 3.
 """
@@ -122,6 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(dynamic padding; llama and t5), at most the model's own length")
     p.add_argument("--pad-to", type=int, default=PAD_TO, help=f"--lengths: round each length up to a multiple of "
                    f"this (default {PAD_TO})")
+    p.add_argument("--compile", action="store_true", help="train through torch.compile(model) (the default mode)")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -214,6 +216,7 @@ def train(args, device: torch.device) -> dict:
     torch.manual_seed(args.seed)
     model = zoo.build(args.tiny).to(device).train()
     layers = checkpointed_layers(model, args.checkpoint_layers)
+    call = torch.compile(model) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch_size = args.batch or (2 if args.tiny else zoo.batch)
     generator = torch.Generator().manual_seed(args.seed)
@@ -232,7 +235,7 @@ def train(args, device: torch.device) -> dict:
             if args.model == "llama":  # its labels are its input
                 inputs["labels"] = inputs[zoo.sequence_key]
         with autocast:
-            loss = model(**inputs).loss
+            loss = call(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -240,7 +243,8 @@ def train(args, device: torch.device) -> dict:
         seconds.append(time.perf_counter() - begun)
     timed = seconds[args.warmup:]
     step_s = statistics.fmean(timed) if lengths else statistics.median(timed)
-    return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": batch_size, "checkpointed_layers": layers,
+    return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": batch_size,
+            "checkpointed_layers": layers, "compiled": args.compile,
             "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps,
             "step_s_median": statistics.median(timed), "step_s_mean": statistics.fmean(timed),
             "samples_per_s": batch_size / step_s, "lengths": lengths, "step_seconds": seconds, "losses": losses,
