@@ -645,3 +645,15 @@ def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(m
         assert [u.name for u in planner.units if u.kind == "block"] == ["first", "second", "third"]
     finally:
         planner.remove()
+
+
+def test_a_broadcast_input_is_not_parked_to_move_as_it_would_come_back_laid_out_otherwise():
+    from um_alloc.planner.replay import _parkable
+    cpu = torch.device("cpu")
+    mask = torch.zeros(1, 1, 64, 64).expand(32, 1, 64, 64)  # transformers' mask, expanded to the batch
+    assert not _parkable(mask, cpu, min_bytes=1024)
+    assert _parkable(mask.contiguous(), cpu, min_bytes=1024)
+    assert _parkable(torch.zeros(32, 64, 64).transpose(1, 2), cpu, min_bytes=1024)  # dense, permuted
+    assert not _parkable(torch.zeros(8), cpu, min_bytes=1024)                       # small
+    assert not _parkable(torch.nn.Parameter(torch.zeros(32, 64, 64)), cpu, min_bytes=1024)
+    assert _parkable(torch.zeros(64).expand(1, 64), cpu, min_bytes=1)  # a stride of 0 over size 1 repeats nothing

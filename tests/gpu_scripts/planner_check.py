@@ -3,7 +3,7 @@
     python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
-    python tests/gpu_scripts/planner_check.py compiled # through torch.compile (inductor): plain's losses, closely
+    python tests/gpu_scripts/planner_check.py compiled # a ViT through torch.compile (inductor): plain's losses, closely
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
     python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
     python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
@@ -87,21 +87,44 @@ def lengths() -> dict:
     return {**losses, "safe_steps": planner.safe_steps, "inputs": planner.to_dict()["inputs"], "borrowed": borrowed}
 
 
+def vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, intermediate_size=512,
+                       image_size=64, patch_size=8, num_labels=10, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    with um_alloc.tag("parameter"):
+        model = ViTForImageClassification(config).cuda().train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def compiled() -> dict:
-    """A small BERT through torch.compile (inductor) under the planner, beside the same model plain
-    and eager: the safe steps move the loss outside the units, whose saved-tensor hooks are traced
-    into the compiled graph of what lies between the units."""
-    plain, plain_opt = bert()
-    model, optimizer = bert()
+    """A small ViT through torch.compile (inductor) under the planner, beside the same model plain
+    and eager. Compiled, transformers materialises an attention mask expanded to the batch, which
+    every layer takes; every input is parked however small, so the mask would move if it could.
+    The safe steps move the loss outside the units, whose saved-tensor hooks are traced into the
+    compiled graph of what lies between the units."""
+    plain, plain_opt = vit()
+    model, optimizer = vit()
     planner = um_alloc.plan(model, budget="2GiB")
     planner._runtime.lean_loss.min_bytes = 0
+    planner._runtime.min_bytes = 0
     call = torch.compile(model)
     data = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
-    for i in range(6):
-        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
-        losses["plain"].append(step(plain, plain_opt, ids, i))
-        losses["planned"].append(step(call, optimizer, ids, i))
+
+    def vit_step(model, optimizer, images, labels):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(pixel_values=images, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    for _ in range(6):
+        images, labels = torch.randn(16, 3, 64, 64, generator=data).cuda(), torch.randint(0, 10, (16,), generator=data).cuda()
+        losses["plain"].append(vit_step(plain, plain_opt, images, labels))
+        losses["planned"].append(vit_step(call, optimizer, images, labels))
     return {**losses, "plan": planner.plan.counts(), "safe_steps": planner.safe_steps}
 
 

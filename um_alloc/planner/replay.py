@@ -120,6 +120,19 @@ class _Parked:
         return nbytes
 
 
+def _parkable(value, device: torch.device, min_bytes: int) -> bool:
+    """Whether a recomputed call's input goes in a slot that can move it to host memory: a large
+    tensor on the unit's device, not a parameter, and not broadcast. A broadcast tensor (a stride
+    of 0 where its size is more than 1, as the attention masks transformers expands to the batch)
+    holds fewer bytes than its size says, and a copy of it comes back laid out densely, which
+    changes what kernels the rerun takes: under torch.compile ViT-B/16's materialised mask sent
+    its forward's attention to PyTorch's math kernel and its rerun's to cuDNN's, which save
+    different tensors. It stays where it is, as it is."""
+    return (isinstance(value, torch.Tensor) and value.device == device and not isinstance(value, nn.Parameter)
+            and value.numel() * value.element_size() >= min_bytes
+            and not any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride())))
+
+
 class _Enter:
     """Several context managers entered as one, when the time comes (checkpoint's context_fn
     returns them at forward and enters the second only when backward recomputes)."""
@@ -422,8 +435,7 @@ class Runtime:
         self._shown[index] = not found
 
     def _park(self, value, parked: list[_Parked]):
-        if isinstance(value, torch.Tensor) and value.device == self.device and not isinstance(value, nn.Parameter) \
-                and value.numel() * value.element_size() >= self.min_bytes:
+        if _parkable(value, self.device, self.min_bytes):
             slot = _Parked(value)
             parked.append(slot)
             return slot
