@@ -114,6 +114,18 @@ def test_parameters_are_never_offloaded_and_a_tensor_saved_twice_moves_once():
     assert torch.allclose(x.grad, expected_x.detach())
 
 
+@pytest.mark.parametrize("expanded", [True, False])
+def test_a_broadcast_tensor_stays_where_it_is_and_backward_is_exact(expanded):
+    x = torch.randn(8, 64, 64, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, 64, 64, dtype=torch.float64).expand(8, 64, 64)  # as transformers' masks
+    mask = mask if expanded else mask.contiguous()
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    with offload.step():
+        (x * mask).sum().backward()  # mul saves the mask for x's gradient
+    assert offload.stats.out_bytes == (0 if expanded else mask.numel() * 8)
+    assert torch.equal(x.grad, mask)
+
+
 def test_small_tensors_stay():
     model, x = _model(), torch.randn(4, 16, dtype=torch.float64)
     offload = ActivationOffload(min_bytes=4 * 16 * 8 + 1, device="cpu")

@@ -52,7 +52,7 @@ from .errors import At
 from .install import installation, is_installed
 from .policy import host_mapped
 from .pool import ChunkPool
-from .rebuild import Recipe, RootRecorder, dense
+from .rebuild import Recipe, RootRecorder, broadcast, dense
 from .sizes import size_text
 from .staging import DeviceStage
 from .stats import memory_stats
@@ -376,10 +376,14 @@ class ActivationOffload:
         return kept.tensor
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
+        """Whether a saved tensor may go to host memory: large, on this device, not a parameter,
+        not spilled, and not broadcast (its bytes are fewer than its size says, and it would come
+        back dense: more memory, and backward could take other kernels than with the original)."""
         base = tensor._base if tensor._base is not None else tensor  # linear saves weight.t()
         is_parameter = base.is_leaf and base.requires_grad
         return (tensor.device == self.device and tensor.numel() * tensor.element_size() >= self.min_bytes
-                and not is_parameter and not (self._spill_check and self._spill_check.spilled(tensor)))
+                and not is_parameter and not broadcast(tensor)
+                and not (self._spill_check and self._spill_check.spilled(tensor)))
 
     def _keeps(self, index: int) -> bool:
         return self._kept is not None and self._matches and index in self._kept

@@ -259,6 +259,13 @@ def dense(tensor: torch.Tensor) -> bool:
     return True
 
 
+def broadcast(tensor: torch.Tensor) -> bool:
+    """Some of its elements are one element of memory: a stride of 0 where its size is more than 1
+    (what expand() makes, as the attention masks transformers expands to the batch). It holds
+    fewer bytes than its size says, and a copy of it is laid out densely."""
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
 def _root_of(tensor: torch.Tensor) -> tuple[Any, int]:
     """The node that made `tensor`'s storage: below its view nodes, if it is a view."""
     node, nr = tensor.grad_fn, tensor.output_nr

@@ -47,6 +47,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..offload import ActivationOffload
+from ..rebuild import broadcast
 from ..tensor_trees import is_dtensor, tensors as _tensors
 from .arenas import StepArenas
 from .blocks import Unit
@@ -122,15 +123,13 @@ class _Parked:
 
 def _parkable(value, device: torch.device, min_bytes: int) -> bool:
     """Whether a recomputed call's input goes in a slot that can move it to host memory: a large
-    tensor on the unit's device, not a parameter, and not broadcast. A broadcast tensor (a stride
-    of 0 where its size is more than 1, as the attention masks transformers expands to the batch)
-    holds fewer bytes than its size says, and a copy of it comes back laid out densely, which
-    changes what kernels the rerun takes: under torch.compile ViT-B/16's materialised mask sent
-    its forward's attention to PyTorch's math kernel and its rerun's to cuDNN's, which save
-    different tensors. It stays where it is, as it is."""
+    tensor on the unit's device, not a parameter, and not broadcast (rebuild.broadcast): a copy
+    would come back dense, which can change the kernels the rerun takes. Under torch.compile
+    ViT-B/16's materialised attention mask, expanded to the batch, sent its forward's attention
+    to PyTorch's math kernel and its rerun's to cuDNN's, which save different tensors. It stays
+    where it is, as it is."""
     return (isinstance(value, torch.Tensor) and value.device == device and not isinstance(value, nn.Parameter)
-            and value.numel() * value.element_size() >= min_bytes
-            and not any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride())))
+            and value.numel() * value.element_size() >= min_bytes and not broadcast(value))
 
 
 class _Enter:
