@@ -534,6 +534,37 @@ def test_under_torch_compile_the_units_run_eagerly_and_train_as_plain_training(c
     assert all(torch.equal(a, b) for a, b in zip(planned, plain))
 
 
+
+def test_under_torch_compile_planned_steps_compile_nothing_new():
+    """Once planned, a compiled model's steps reuse their graphs. Traced, the chunked loss's
+    bookkeeping of upcasts by id() guarded on each step's logits, and every step compiled the
+    graph after the classifier again until dynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64, image_size=32, patch_size=8, num_labels=10)
+    model = transformers.ViTForImageClassification(config).train()
+    torch._dynamo.reset()
+    counters.clear()
+    planner = BlockPlanner(model, "1GiB")
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(5)
+    graphs = []
+    try:
+        for _ in range(8):
+            images, labels = torch.randn(2, 3, 32, 32, generator=data), torch.randint(0, 10, (2,), generator=data)
+            compiled(pixel_values=images, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert planner.plan is not None and planner.safe_steps == 2
+        assert graphs[3] == graphs[-1], graphs  # planned from the third step; nothing compiled after
+    finally:
+        planner.remove()
+        torch._dynamo.reset()
+
+
 class LowRankAdapter(torch.nn.Module):
     """A frozen linear layer plus a trainable low-rank update, as LoRA fine-tuning adds them."""
 

@@ -290,6 +290,11 @@ class LeanLoss(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile, the loss is the compiler's to make. Traced, the upcasts'
+            # bookkeeping by id() would guard on each step's logits, and every step would compile
+            # the graph again.
+            return func(*args, **kwargs)
         if func is F.cross_entropy and applies(*args, **kwargs, min_bytes=self.min_bytes):
             self.calls += 1
             logits, target = args[0], args[1]
