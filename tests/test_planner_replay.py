@@ -565,6 +565,23 @@ def test_under_torch_compile_planned_steps_compile_nothing_new():
         torch._dynamo.reset()
 
 
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_model_called_through_torch_compile_is_told_what_a_plan_costs_it(compiled, caplog):
+    model = torch.nn.Sequential(*[Block() for _ in range(3)])
+    planner = BlockPlanner(model, "1GiB")
+    call = torch.compile(model, backend="eager") if compiled else model
+    try:
+        with caplog.at_level("WARNING", logger="um_alloc.planner"):
+            for _ in range(3):
+                call(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        notes = [r for r in caplog.records if "called through torch.compile" in r.getMessage()]
+        assert len(notes) == (1 if compiled else 0)  # once, at the first step
+    finally:
+        planner.remove()
+        torch._dynamo.reset()
+
+
 class LowRankAdapter(torch.nn.Module):
     """A frozen linear layer plus a trainable low-rank update, as LoRA fine-tuning adds them."""
 
