@@ -180,7 +180,7 @@ class Runtime:
         self._reruns: list[bool | None] = [None if one_node_recompute else False for _ in units]
         self._clean: list[set[int]] = [set() for _ in units]  # per unit: rerun.RerunCall's graph sizes
         self._shown: dict[int, bool] = {}
-        self._compile_noted = False           # whether the first step looked for torch.compile
+        self._compile_noted = False           # whether the first training step looked for torch.compile
 
     # -- attaching --
 
@@ -208,10 +208,6 @@ class Runtime:
     # -- steps --
 
     def _begin(self, module, args, kwargs) -> None:
-        if not self._compile_noted:
-            self._compile_noted = True
-            if _called_through_torch_compile():
-                log.warning(COMPILED_NOTE)
         self.begin_step(input_signature(args, kwargs))
 
     def begin_step(self, signature: tuple, partial: bool = False) -> None:
@@ -220,6 +216,10 @@ class Runtime:
         if not torch.is_grad_enabled():
             self._step = None  # evaluation: the units run as they are; an open step stays open
             return
+        if not self._compile_noted:
+            self._compile_noted = True
+            if _called_through_torch_compile():
+                log.warning(COMPILED_NOTE)
         self.close_open_step()
         for index, shown in self._shown.items():
             self._reruns[index] = shown
