@@ -36,14 +36,18 @@ def bert():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def step(model, optimizer, ids, seed):
-    torch.manual_seed(seed)
+def train_step(model, optimizer, inputs: dict) -> float:
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def step(model, optimizer, ids, seed):
+    torch.manual_seed(seed)
+    return train_step(model, optimizer, {"input_ids": ids, "labels": ids})
 
 
 def side_by_side(make, batch, decisions=None) -> tuple[dict, object]:
@@ -113,18 +117,11 @@ def compiled() -> dict:
     call = torch.compile(model)
     data = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
-
-    def vit_step(model, optimizer, images, labels):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(pixel_values=images, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
     for _ in range(6):
-        images, labels = torch.randn(16, 3, 64, 64, generator=data).cuda(), torch.randint(0, 10, (16,), generator=data).cuda()
-        losses["plain"].append(vit_step(plain, plain_opt, images, labels))
-        losses["planned"].append(vit_step(call, optimizer, images, labels))
+        batch = {"pixel_values": torch.randn(16, 3, 64, 64, generator=data).cuda(),
+                 "labels": torch.randint(0, 10, (16,), generator=data).cuda()}
+        losses["plain"].append(train_step(plain, plain_opt, batch))
+        losses["planned"].append(train_step(call, optimizer, batch))
     return {**losses, "plan": planner.plan.counts(), "safe_steps": planner.safe_steps}
 
 
