@@ -518,7 +518,9 @@ class _Unchanged:
 COMPILED_NOTE = ("planner: the model is called through torch.compile. Under a plan its units run "
                  "uncompiled and each one breaks the graph, so a step loses what compiling its blocks "
                  "gains: on an H100, T5 stepped 1.2 times and ViT-B/16 1.6-2.1 times slower compiled "
-                 "under a plan than eager under one (docs/api.md, Limits). A compiled model's own "
+                 "under a plan than eager under one. Call the model eagerly under a plan. Compiled, "
+                 "transformers gives each layer an attention mask, with which its eager attention runs "
+                 "PyTorch's math kernel in fp32 (docs/api.md, Limits). A compiled model's own "
                  "checkpointing keeps its blocks compiled.")
 
 
