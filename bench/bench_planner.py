@@ -14,6 +14,11 @@ Methods (each a train.py run in a process of its own; BERT-Large MLM, bf16, fuse
 All records share one run_id and go to bench/results/RUN_ID/planner_<budget>.json, with the
 frontier's k, the planner's plan and its predicted step time. A method that does not fit is
 recorded with its status (oom), not left out.
+
+With --repeats N the methods run N times, alternated after the frontier's search (which gives each
+peer its first run), and each record holds the median samples/s of its runs, every run's in
+samples_per_s_runs, and the first run's plan: the host moves two runs of one method by several
+percent, more than the margins this benchmark measures.
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ import argparse
 import math
 from pathlib import Path
 
-from harness import (RESULTS, Run, new_run_id, protocol_record, rate_and_ratio_text, raw_policy, run_train,
-                     smallest_fitting, with_scheduler, write_policy, write_result)
+from harness import (RESULTS, Run, new_run_id, pooled, protocol_record, rate_and_ratio_text, raw_policy,
+                     refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -74,9 +79,11 @@ def main() -> int:
                                                           "measures in its first two)")
     p.add_argument("--deterministic", action="store_true", help="train.py --deterministic for every method")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--repeats", type=int, default=1, help="runs of each method, alternated (see above)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    refuse_bad_counts(p, args)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -100,12 +107,33 @@ def main() -> int:
         k, summary, tried = search_frontier(args, summaries["checkpointing"][0], summaries["stock"][0], args.timeout)
         summaries["frontier"] = (summary, {"status": "ok" if summary else "oom", "checkpointed_layers": k,
                                            "layers_tried": tried})
+        if k is not None:
+            runs["frontier"] = stock_run(args, f"frontier_k{k}", "--checkpointing", str(k))
+    summaries = repeated(summaries, runs, args)
     stock = (summaries.get("stock") or (None,))[0]
     base = stock["samples_per_s"] if stock else None
     records = [_record(name, summary, extra, run_id, base, budget, args) for name, (summary, extra) in summaries.items()]
     write_result(f"planner_{args.budget}", records, out)
     _report(records, budget)
     return 0
+
+
+def repeated(summaries: dict, runs: dict, args) -> dict:
+    """--repeats: every method that ran runs args.repeats - 1 times more, in turn, and its record
+    pools its runs (harness.pooled). The frontier runs its k again; its search's runs count once."""
+    if args.repeats < 2:
+        return summaries
+    again = {name: [(summary, extra.get("status", "ok"), extra.get("note", ""))]
+             for name, (summary, extra) in summaries.items() if name in runs}
+    for _ in range(args.repeats - 1):
+        for name in again:
+            again[name].append(run_train(runs[name], args.timeout))
+            _progress(name, again[name][-1][0])
+    out = dict(summaries)
+    for name, name_runs in again.items():
+        summary, status, note = pooled(name_runs)
+        out[name] = (summary, {**summaries[name][1], "status": status, "note": note})
+    return out
 
 
 def _progress(name: str, summary: dict | None) -> None:
@@ -118,6 +146,8 @@ def _record(name: str, summary, extra: dict, run_id: str, base, budget: int, arg
     record = protocol_record(summary, run_id=run_id, stock_samples_per_s=base,
                              budget_bytes=None if name == "stock" else budget, method=name, **extra)
     record.update(workload=record.get("workload") or f"bert-large-mlm-seq512-bf16-b{args.batch}", batch=args.batch)
+    if summary and summary.get("samples_per_s_runs"):
+        record["samples_per_s_runs"] = summary["samples_per_s_runs"]
     if summary and summary.get("planner"):
         plan = summary["planner"].get("plan", {})
         record.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"),

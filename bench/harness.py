@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,25 @@ def smallest_fitting(fits: Callable[[int], dict | None], start: int, largest: in
 def ratio(value: float | None, base: float | None) -> float | None:
     """value / base, or None where either is missing (a run that failed is no reference)."""
     return value / base if value is not None and base else None
+
+
+def pooled(runs: list[tuple]) -> tuple:
+    """Several runs of one method as one (run_train's result, plus the launcher's report where
+    launched): the first run that ended well, with the median samples/s of those that did, the
+    median of their median steps (with --lengths, samples/s is made of the mean step instead) and
+    the highest high-water; the first run's result as it is where none did."""
+    good = [run for run in runs if run[0] is not None]
+    if not good:
+        return runs[0]
+    rates = [run[0]["samples_per_s"] for run in good]
+    summary = {**good[0][0], "samples_per_s": statistics.median(rates),
+               "step_s_median": statistics.median(run[0]["step_s_median"] for run in good),
+               "samples_per_s_runs": [None if run[0] is None else run[0]["samples_per_s"] for run in runs]}
+    highwater = [run[0]["device_used_delta_bytes"] for run in good if run[0].get("device_used_delta_bytes") is not None]
+    summary["device_used_delta_bytes"] = max(highwater) if highwater else None
+    failed = [run[1] for run in runs if run[0] is None]
+    note = f"{len(failed)} of {len(runs)} runs did not end well ({failed[0]})" if failed else good[0][2]
+    return (summary, good[0][1], note, *good[0][3:])
 
 
 def protocol_record(summary: dict | None, *, run_id: str, stock_samples_per_s: float | None,
