@@ -43,7 +43,8 @@ def test_check_shipped_policies_exit_0():
 @pytest.mark.parametrize("scheduler, mode", [
     ("{budget: 4GiB, evict_live: true}", "reactive"),  # reactive only where the policy asks
     ("{budget: 4GiB, strategy: auto, block_classes: [UNetDown, UNetUp]}", "hard, block planner, blocks: UNetDown, UNetUp"),
-], ids=["reactive", "named-blocks"])
+    ("{budget: 4GiB, strategy: auto, lean_loss: false}", "hard, block planner, the model's own loss"),
+], ids=["reactive", "named-blocks", "own-loss"])
 def test_check_says_what_a_budget_does_under_the_policy(tmp_path, scheduler, mode):
     policy = tmp_path / "policy.yaml"
     policy.write_text(f"scheduler: {scheduler}\n")

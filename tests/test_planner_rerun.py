@@ -210,6 +210,24 @@ def test_a_step_as_one_node_peaks_no_higher_than_through_checkpoint():
     assert peaks[True] <= peaks[False]
 
 
+def test_the_installed_policy_can_leave_the_models_loss_to_pytorch(monkeypatch):
+    """scheduler.lean_loss: false turns the chunked cross-entropy off with no code changed; an
+    argument overrides the policy."""
+    from types import SimpleNamespace
+    from um_alloc.planner import BlockPlanner, director
+    from um_alloc.policy import policy_from_dict
+
+    policy = policy_from_dict({"scheduler": {"strategy": "auto", "lean_loss": False}}, source="p.yaml", name="p")
+    monkeypatch.setattr(director, "is_installed", lambda: True)
+    monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=policy, budget=1 << 30))
+    for options, chunked in (({}, False), ({"lean_loss": True}, True)):
+        planner = BlockPlanner(Stack().double(), **options)
+        try:
+            assert (planner._runtime.lean_loss is not None) is chunked
+        finally:
+            planner.remove()
+
+
 def test_the_installed_policy_can_keep_checkpoint_throughout(monkeypatch):
     """Given no argument, the planner does as the installed policy's scheduler.one_node_recompute
     says: under the launcher or a callback, `false` keeps torch.utils.checkpoint with no code

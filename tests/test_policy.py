@@ -385,14 +385,15 @@ def test_every_strategy_needs_a_hard_budget(strategy):
         policy_from_dict({"scheduler": {"strategy": strategy, "evict_live": True}}, source="p.yaml", name="p")
 
 
-def test_one_node_recompute_is_on_unless_a_policy_turns_it_off():
+@pytest.mark.parametrize("key", ["one_node_recompute", "lean_loss"])
+def test_the_planners_switches_are_on_unless_a_policy_turns_them_off(key):
     def scheduler(**keys):
         return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler
 
-    assert scheduler().one_node_recompute is True
-    assert scheduler(strategy="auto", one_node_recompute=False).one_node_recompute is False
-    with pytest.raises(PolicyError, match=r"scheduler.one_node_recompute: .*got 'no'"):
-        scheduler(one_node_recompute="no")
+    assert getattr(scheduler(), key) is True
+    assert getattr(scheduler(strategy="auto", **{key: False}), key) is False
+    with pytest.raises(PolicyError, match=rf"scheduler.{key}: .*got 'no'"):
+        scheduler(**{key: "no"})
 
 
 def test_block_classes_name_the_planners_blocks_as_a_list_of_class_names():

@@ -47,6 +47,8 @@ def _budget_mode(scheduler) -> str:
             "checkpoint": "hard, every block recomputed"}.get(scheduler.strategy, "hard")
     if scheduler.strategy in ("auto", "checkpoint") and not scheduler.one_node_recompute:
         mode += " through torch.utils.checkpoint"
+    if scheduler.strategy in ("auto", "checkpoint") and not scheduler.lean_loss:
+        mode += ", the model's own loss"
     if scheduler.strategy in ("auto", "checkpoint") and scheduler.block_classes:
         mode += f", blocks: {', '.join(scheduler.block_classes)}"
     return mode

@@ -82,6 +82,9 @@ class SchedulerSettings:
     one_node_recompute: bool = True           # the block planner recomputes a block as one node
                                               # of the graph where it may; false: through
                                               # torch.utils.checkpoint (um_alloc.planner.rerun)
+    lean_loss: bool = True                    # the block planner computes a large cross-entropy
+                                              # inside the model's forward in row chunks
+                                              # (um_alloc.planner.lean_loss)
     block_classes: tuple[str, ...] = ()       # class names of the block planner's blocks, where
                                               # its search finds none or the wrong ones; empty:
                                               # the search (um_alloc.planner.blocks)
@@ -206,7 +209,8 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
-        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "block_classes": _class_names,
+        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "lean_loss": _bool,
+        "block_classes": _class_names,
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,

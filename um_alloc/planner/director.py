@@ -117,7 +117,8 @@ class BlockPlanner:
         lean_loss: compute a cross-entropy of at least 512 MiB of logits inside the model's forward
             (a Hugging Face model's loss) in row chunks, bit for bit PyTorch's result with 2 GB less
             at BERT-Large's peaks, and from the bf16 logits where the model upcast them
-            (um_alloc.planner.lean_loss); default True.
+            (um_alloc.planner.lean_loss). Default: the installed policy's scheduler.lean_loss
+            (true unless a policy says otherwise).
         one_node_recompute: recompute a block, once its first call has shown that it reaches only
             its arguments and its own parameters, as one node of the graph (um_alloc.planner.rerun)
             rather than through torch.utils.checkpoint, which costs the host twice as much. False
@@ -135,7 +136,7 @@ class BlockPlanner:
     def __init__(self, model: nn.Module, budget: int | str | None = None, *, strategy: str = "auto",
                  block_classes: list[str] | None = None, margin: int | str = "512MiB",
                  window: int | str = "512MiB", hide_fraction: float = 0.7,
-                 decisions: list[str] | None = None, lean_loss: bool = True,
+                 decisions: list[str] | None = None, lean_loss: bool | None = None,
                  one_node_recompute: bool | None = None):
         if not isinstance(model, nn.Module):
             raise _at("model").error("not a torch.nn.Module", received=model)
@@ -145,7 +146,7 @@ class BlockPlanner:
         self.budget = _budget(budget)
         self.margin = arguments.size(margin, _at("margin"))
         window = arguments.size(window, _at("window"))
-        lean_loss = arguments.flag(lean_loss, _at("lean_loss"))
+        lean_loss = _lean_loss(lean_loss)
         one_node_recompute = _one_node_recompute(one_node_recompute)
         self.allowed = _decisions(decisions)
         block_classes = _block_classes(block_classes)
@@ -597,6 +598,12 @@ def _one_node_recompute(value) -> bool:
     if value is not None:
         return arguments.flag(value, _at("one_node_recompute"))
     return installation().policy.scheduler.one_node_recompute if is_installed() else True
+
+
+def _lean_loss(value) -> bool:
+    if value is not None:
+        return arguments.flag(value, _at("lean_loss"))
+    return installation().policy.scheduler.lean_loss if is_installed() else True
 
 
 def _device_of(model: nn.Module) -> torch.device:
