@@ -10,6 +10,8 @@ Methods (each a train.py run in a process of its own; BERT-Large MLM, bf16, fuse
   save_on_cpu    stock limited to the budget, saved activations in pinned host memory
   offload        um_alloc, best.yaml (strategy offload) under the budget
   planner        um_alloc, best.yaml with strategy auto under the budget: the block planner
+  planner_plain_loss  the same with the model's loss left to PyTorch (scheduler.lean_loss:
+                 false): what the chunked loss costs or gains
 
 All records share one run_id and go to bench/results/RUN_ID/planner_<budget>.json, with the
 frontier's k, the planner's plan and its predicted step time. A method that does not fit is
@@ -32,7 +34,7 @@ from harness import (RESULTS, Run, new_run_id, pooled, protocol_record, rate_and
 from um_alloc.sizes import format_size, parse_size
 
 LAYERS = 24  # BERT-Large
-METHODS = ("stock", "checkpointing", "frontier", "save_on_cpu", "offload", "planner")
+METHODS = ("stock", "checkpointing", "frontier", "save_on_cpu", "offload", "planner", "planner_plain_loss")
 
 
 def base_args(args) -> list[str]:
@@ -94,11 +96,15 @@ def main() -> int:
     best = raw_policy("best.yaml")
     planned = write_policy(out / "policies", "best_auto", with_scheduler(best, strategy="auto", offload_activations=False),
                            "best.yaml with the block planner (scheduler.strategy: auto)")
+    plain_loss = write_policy(out / "policies", "best_auto_plain_loss",
+                              with_scheduler(best, strategy="auto", offload_activations=False, lean_loss=False),
+                              "best.yaml with the block planner, the model's loss left to PyTorch")
     summaries: dict[str, tuple[dict | None, dict]] = {}
     runs = {"stock": stock_run(args, "stock"), "checkpointing": stock_run(args, "checkpointing", "--checkpointing"),
             "save_on_cpu": stock_run(args, "save_on_cpu", "--offload", "save_on_cpu"),
-            "offload": um_run(args, "offload", Path("best.yaml")), "planner": um_run(args, "planner", planned)}
-    for name in ("stock", "checkpointing", "save_on_cpu", "offload", "planner"):
+            "offload": um_run(args, "offload", Path("best.yaml")), "planner": um_run(args, "planner", planned),
+            "planner_plain_loss": um_run(args, "planner_plain_loss", plain_loss)}
+    for name in ("stock", "checkpointing", "save_on_cpu", "offload", "planner", "planner_plain_loss"):
         if name in methods or (name in ("stock", "checkpointing") and "frontier" in methods):
             summary, status, note = run_train(runs[name], args.timeout)
             summaries[name] = (summary, {"status": status, "note": note})

@@ -43,3 +43,20 @@ def test_one_run_a_method_is_left_as_it_is():
     args = argparse.Namespace(repeats=1)
     summaries = {"stock": ({"samples_per_s": 1.0}, {"status": "ok"})}
     assert bench_planner.repeated(summaries, {}, args) is summaries
+
+
+def test_the_plain_loss_method_runs_the_planner_with_the_chunked_loss_off(monkeypatch, tmp_path):
+    ran = []
+
+    def fake_run(run, timeout):
+        ran.append(run)
+        return {"samples_per_s": 1.0, "step_s_median": 32.0, "device_used_delta_bytes": 1, "device": "test",
+                "date": "2026-11-26", "workload": "bert", "method": "um", "batch": 32, "loss_first": 10.0,
+                "loss_last": 9.0}, "ok", ""
+
+    monkeypatch.setattr(bench_planner, "run_train", fake_run)
+    monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--methods", "planner_plain_loss", "--out", str(tmp_path)])
+    assert bench_planner.main() == 0
+    (run,) = ran
+    policy = Path(run.train_args[run.train_args.index("--policy") + 1]).read_text()
+    assert "lean_loss: false" in policy and "strategy: auto" in policy
