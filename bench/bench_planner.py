@@ -104,7 +104,7 @@ def main() -> int:
             "save_on_cpu": stock_run(args, "save_on_cpu", "--offload", "save_on_cpu"),
             "offload": um_run(args, "offload", Path("best.yaml")), "planner": um_run(args, "planner", planned),
             "planner_plain_loss": um_run(args, "planner_plain_loss", plain_loss)}
-    for name in ("stock", "checkpointing", "save_on_cpu", "offload", "planner", "planner_plain_loss"):
+    for name in runs:
         if name in methods or (name in ("stock", "checkpointing") and "frontier" in methods):
             summary, status, note = run_train(runs[name], args.timeout)
             summaries[name] = (summary, {"status": status, "note": note})

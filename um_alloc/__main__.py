@@ -45,11 +45,13 @@ def _budget_mode(scheduler) -> str:
         return "reactive"
     mode = {"offload": "hard, offload activations", "auto": "hard, block planner",
             "checkpoint": "hard, every block recomputed"}.get(scheduler.strategy, "hard")
-    if scheduler.strategy in ("auto", "checkpoint") and not scheduler.one_node_recompute:
+    if scheduler.strategy not in ("auto", "checkpoint"):
+        return mode
+    if not scheduler.one_node_recompute:
         mode += " through torch.utils.checkpoint"
-    if scheduler.strategy in ("auto", "checkpoint") and not scheduler.lean_loss:
+    if not scheduler.lean_loss:
         mode += ", the model's own loss"
-    if scheduler.strategy in ("auto", "checkpoint") and scheduler.block_classes:
+    if scheduler.block_classes:
         mode += f", blocks: {', '.join(scheduler.block_classes)}"
     return mode
 

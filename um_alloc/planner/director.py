@@ -146,8 +146,8 @@ class BlockPlanner:
         self.budget = _budget(budget)
         self.margin = arguments.size(margin, _at("margin"))
         window = arguments.size(window, _at("window"))
-        lean_loss = _lean_loss(lean_loss)
-        one_node_recompute = _one_node_recompute(one_node_recompute)
+        lean_loss = _switch(lean_loss, "lean_loss")
+        one_node_recompute = _switch(one_node_recompute, "one_node_recompute")
         self.allowed = _decisions(decisions)
         block_classes = _block_classes(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
@@ -594,16 +594,11 @@ def _budget(value) -> int:
                      "that sets scheduler.budget (or install(budget=...))")
 
 
-def _one_node_recompute(value) -> bool:
+def _switch(value, key: str) -> bool:
+    """An on/off option: the argument, else the installed policy's scheduler.<key>, else on."""
     if value is not None:
-        return arguments.flag(value, _at("one_node_recompute"))
-    return installation().policy.scheduler.one_node_recompute if is_installed() else True
-
-
-def _lean_loss(value) -> bool:
-    if value is not None:
-        return arguments.flag(value, _at("lean_loss"))
-    return installation().policy.scheduler.lean_loss if is_installed() else True
+        return arguments.flag(value, _at(key))
+    return getattr(installation().policy.scheduler, key) if is_installed() else True
 
 
 def _device_of(model: nn.Module) -> torch.device:
