@@ -91,3 +91,17 @@ def test_large_batch_policy_plans_with_host_optimizer_state_and_a_spilled_head(c
     assert result["planned"] == result["plain"]
     assert sum(result["plan"].values()) == 6 + 3
     assert result["spill_peak_bytes"] > 0 and result["spill_resident_bytes"] == 0  # logits lived in host memory
+
+
+def test_a_step_that_runs_out_of_memory_leaves_nothing_of_itself_live(cuda_device):
+    """Whatever the decision, a step that ran out of memory in forward or in backward leaves none
+    of its tensors live once its partial gradients are dropped: a loop that runs it again has the
+    room it had (no saved-tensor hook holds the step's graph in a cycle only backward breaks)."""
+    result = _check("failed")
+    assert len(result) == 8
+    slack = 8 << 20  # a step's graph here holds tens of MiB; a side stream's cuBLAS workspace is 4
+    for case, figures in result.items():
+        assert figures["failed"], case
+        assert figures["after_next_step"] <= figures["between_steps"] + slack, (case, figures)
+        if case != "move backward":  # copies back already made are let go as the next step begins
+            assert figures["after_failure"] <= figures["between_steps"] + slack, (case, figures)

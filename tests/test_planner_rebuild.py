@@ -101,7 +101,7 @@ def test_bases_are_told_apart_when_every_nodes_id_is_the_same(monkeypatch):
     planner = planned_rebuild(model, ids)
     replays.clear()
     loss = loss_of(model, ids)
-    bases = [len(saves._bases) for saves in replays]
+    bases = [saves.bases for saves in replays]
     loss.backward()
     loss_of(plain, ids).backward()
     planner.remove()
@@ -279,4 +279,54 @@ def test_no_step_leaves_its_activations_for_the_cycle_collector(decision):
             assert alive == [], f"step {step}: {len(alive)} query/key/value tensors still alive after backward"
     finally:
         gc.enable()
+        planner.remove()
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("decision", ["keep", "rebuild", "move", "recompute", "recompute_moved"])
+def test_a_step_that_fails_leaves_nothing_of_itself_alive(decision, where):
+    """An error in a step (out of memory at the loss, after the blocks' forward, or in backward
+    between the blocks) leaves none of the step's tensors alive once it is handled: a loop that
+    runs the step again has the room it had. A saved-tensor hook that hands autograd back the
+    tensor it was given makes a cycle through autograd's C++, which Python's cycle collector
+    cannot see, wherever an op saves its own output; so does anything reaching the step's graph
+    from the hooks' object, which every saved tensor holds: only backward would break them."""
+    import gc
+
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=1024, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config).train()
+    planner = BlockPlanner(model, "1GiB", decisions=[decision])
+    planner._runtime.min_bytes = 1
+    scores_shape = (8, 4, 128, 64)  # batch, heads, sequence, head size: the attention's query, key and value
+
+    def fail(*_):
+        raise torch.OutOfMemoryError(f"raised in {where}")
+
+    def fail_in_backward(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.register_hook(fail)  # backward fails where it reaches the first layer's output
+
+    try:
+        for step in range(4):  # two calibration steps, then the plan; the fourth fails
+            ids = torch.randint(0, 1000, (8, 128), generator=torch.Generator().manual_seed(step))
+            if step < 3:
+                loss_of(model, ids).backward()
+                model.zero_grad(set_to_none=True)
+                continue
+            failing = model.cls if where == "forward" else model.bert.encoder.layer[0]
+            handle = failing.register_forward_hook(fail if where == "forward" else fail_in_backward)
+            try:  # not pytest.raises, whose record of the error would hold the failed step's frames
+                loss_of(model, ids).backward()
+            except torch.OutOfMemoryError as error:
+                assert f"raised in {where}" in str(error)
+            else:
+                pytest.fail("the step did not fail")
+            handle.remove()
+        assert planner.plan.counts().get(decision, 0) >= 1
+        gc.collect()
+        alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == scores_shape]
+        assert alive == [], f"{len(alive)} query/key/value tensors of the failed step still alive"
+    finally:
         planner.remove()

@@ -52,7 +52,7 @@ from .errors import At
 from .install import installation, is_installed
 from .policy import host_mapped
 from .pool import ChunkPool
-from .rebuild import Recipe, RootRecorder, broadcast, dense
+from .rebuild import Recipe, RootRecorder, as_saved, broadcast, dense
 from .sizes import size_text
 from .staging import DeviceStage
 from .stats import memory_stats
@@ -288,7 +288,7 @@ class ActivationOffload:
 
     def _pack(self, tensor: torch.Tensor):
         if not self._eligible(tensor):
-            return tensor
+            return as_saved(tensor)
         # The same tensor object saved again (a live one: once forward drops a tensor, its address
         # and id can come back as another, which must not match).
         key = (id(tensor), tensor._version)
@@ -325,7 +325,7 @@ class ActivationOffload:
                 self._matches = False
         if self._keeps(index):
             self.stats.kept_bytes += nbytes
-            entry = _Kept(tensor, nbytes)
+            entry = _Kept(as_saved(tensor), nbytes)
         else:
             entry = self._copy_out(tensor)
             if calibrating and recipe is not None:

@@ -249,6 +249,16 @@ def _covers_storage(tensor: torch.Tensor) -> bool:
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
+def as_saved(tensor: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor pack hook hands autograd, or holds, for a tensor it leaves on the GPU as
+    it is: an alias with no autograd history (the same storage and version counter). Never the
+    tensor itself: where an op saves its own output, the op's node would hold the hook's result,
+    which would hold the tensor, whose grad_fn is that node. The cycle runs through autograd's C++,
+    where Python's cycle collector cannot see it, and only backward breaks it: a step that fails
+    before its backward (an out-of-memory error at the loss) would keep its whole graph."""
+    return tensor.detach()
+
+
 def dense(tensor: torch.Tensor) -> bool:
     """Its elements fill a block of memory once each, in some order of its dimensions."""
     expected = 1

@@ -9,6 +9,7 @@
     python tests/gpu_scripts/planner_check.py lengths # a sequence length per step: borrowed plans, plain's losses
     python tests/gpu_scripts/planner_check.py arenas  # between steps the step arenas are wholly free
     python tests/gpu_scripts/planner_check.py large_batch  # large_batch.yaml: host optimizer state, spilled head
+    python tests/gpu_scripts/planner_check.py failed  # what a step that ran out of memory leaves live, per decision
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -166,6 +167,51 @@ def oom() -> dict:
     return {"losses": losses, "retried": retried, "margin_before": margin, "margin_after": planner.margin}
 
 
+def failed() -> dict:
+    """Per decision, the pool's live bytes between planned steps, after a step that ran out of
+    memory (a real CUDA error: 1 TiB asked for) at the head, after the blocks' forward, or in
+    backward between two blocks, once its partial gradients are dropped, and after the next step."""
+    out = {}
+    for decision in ("keep", "rebuild", "move", "recompute"):
+        for where in ("forward", "backward"):
+            model, optimizer = bert()
+            planner = um_alloc.plan(model, budget="2GiB", decisions=[decision])
+            data = torch.Generator().manual_seed(1)
+            for i in range(3):  # two measured steps, then the plan
+                step(model, optimizer, torch.randint(5, 1024, (16, 128), generator=data).cuda(), i)
+            between = _live()
+
+            def ask_too_much(*_):
+                torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
+
+            def in_backward(module, args, output):
+                (output[0] if isinstance(output, tuple) else output).register_hook(ask_too_much)
+
+            module = model.cls if where == "forward" else model.bert.encoder.layer[1]
+            handle = (module.register_forward_pre_hook(ask_too_much) if where == "forward"
+                      else module.register_forward_hook(in_backward))
+            try:
+                step(model, optimizer, torch.randint(5, 1024, (16, 128), generator=data).cuda(), 3)
+                failed_as_asked = False
+            except torch.OutOfMemoryError:
+                failed_as_asked = True
+            handle.remove()
+            optimizer.zero_grad(set_to_none=True)
+            after_failure = _live()
+            step(model, optimizer, torch.randint(5, 1024, (16, 128), generator=data).cuda(), 4)
+            out[f"{decision} {where}"] = {"plan": planner.plan.counts(), "failed": failed_as_asked,
+                                           "between_steps": between, "after_failure": after_failure,
+                                           "after_next_step": _live()}
+            planner.remove()
+            del model, optimizer, planner
+    return out
+
+
+def _live() -> int:
+    torch.cuda.synchronize()
+    return um_alloc.ChunkPool.for_device(0).device_live()[0]
+
+
 def arenas() -> dict:
     """What the steps allocate comes from a step arena of its own, and the step arenas are closed
     between steps; training goes on after they are given back."""
@@ -279,7 +325,7 @@ def large_batch() -> dict:
 
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths,
-         "arenas": arenas, "gpt2": gpt2, "large_batch": large_batch}
+         "arenas": arenas, "gpt2": gpt2, "large_batch": large_batch, "failed": failed}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit

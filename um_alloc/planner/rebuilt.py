@@ -42,7 +42,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..byte_views import storage_bytes
-from ..rebuild import MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Source, _root_of
+from ..rebuild import MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Source, _root_of, as_saved
 from ..tensor_trees import tensors as _tensors
 
 __all__ = ["RebuildProbe", "RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
@@ -361,6 +361,7 @@ class RebuiltSaves:
         self._bases: dict[tuple, _Base] = {}
         self._saves = 0
         self.rebuilt_bytes = 0
+        self.bases = 0          # bases the rebuilt tensors share, built once each in backward
 
     @contextlib.contextmanager
     def around(self, args, kwargs) -> Iterator[None]:
@@ -377,11 +378,17 @@ class RebuiltSaves:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield
         finally:
-            self._held = {}  # the rebuilt tensors' recipes keep what they read
+            # Every tensor saved under the hooks holds them, and with them this object, until its
+            # backward: the held tensors and the bases' keys (autograd nodes) must not stay here,
+            # or a step whose backward never comes would keep its graph in a cycle through
+            # autograd's C++. The rebuilt tensors' recipes keep what they read, the bases stay
+            # with the rebuilt tensors that share them.
+            self._held = {}
+            self._bases = {}
 
     def _pack(self, tensor: torch.Tensor):
         if not self._eligible(tensor):
-            return tensor
+            return as_saved(tensor)
         place = self._saves
         self._saves += 1
         recipe = self._recipes.places.get(place)
@@ -390,9 +397,12 @@ class RebuiltSaves:
             slot = Slot("save", place)
             if slot in self._sources:
                 self._held[slot] = _Kept(tensor, tensor._version, self._unit)
-            return tensor
+            return as_saved(tensor)
         rebuild, key = bound
-        base = self._bases.setdefault(key, _Base())
+        base = self._bases.get(key)
+        if base is None:
+            base = self._bases[key] = _Base()
+            self.bases += 1
         base.uses += 1
         self.rebuilt_bytes += tensor.numel() * tensor.element_size()
         return _Rebuilt(rebuild, base, self._device_type)

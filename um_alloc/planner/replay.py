@@ -241,6 +241,11 @@ class Runtime:
         step, self._step = self._step, None
         if step is None:
             return
+        if output is None and sys.exc_info()[1] is not None:
+            # Forward raised (an out-of-memory error at the loss): no backward will come. Let go of
+            # the step now, so that a loop that runs it again has the room it had.
+            self.close_open_step()
+            return
         step.mark("forward end")
         self._on_backward(step, None, output)
 

@@ -47,6 +47,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.graph import get_gradient_edge
 
+from ..rebuild import as_saved
+
 __all__ = ["MadeTensors", "RerunCall", "RerunNote", "foreign_edges", "graph_clock"]
 
 ACCUMULATE = "AccumulateGrad"
@@ -255,7 +257,7 @@ class RerunNote:
 
 
 class _SavedStorages(torch.autograd.graph.saved_tensors_hooks):
-    """The storages of what autograd saves while it is entered (the tensors pass unchanged)."""
+    """The storages of what autograd saves while it is entered (the tensors pass on unchanged)."""
 
     def __init__(self):
         self.pointers: set[int] = set()
@@ -263,7 +265,7 @@ class _SavedStorages(torch.autograd.graph.saved_tensors_hooks):
 
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
         self.pointers.add(tensor.untyped_storage().data_ptr())
-        return tensor
+        return as_saved(tensor)
 
     def bytes_beside(self, outputs, inputs) -> int:
         """The bytes of the outputs' storages that are neither saved nor an input's."""
