@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..offload import ActivationOffload
-from ..rebuild import broadcast
+from ..rebuild import as_saved, broadcast
 from ..tensor_trees import is_dtensor, tensors as _tensors
 from .arenas import StepArenas
 from .blocks import Unit
@@ -256,9 +256,11 @@ class Runtime:
         """What autograd saves in a moved unit (or, outside every unit, a moved rest): to host memory.
         Under torch.compile the rest's hooks are traced into the graph of what lies between the
         units, where nothing can be copied out; what they see there stays on the GPU."""
-        step = self._step
-        if step is None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return tensor
+        step = self._step
+        if step is None:
+            return as_saved(tensor)
         before = self.transfers.stats.out_bytes
         entry = self.transfers.pack(tensor)
         if step.spec.recorder:

@@ -257,7 +257,8 @@ class RerunNote:
 
 
 class _SavedStorages(torch.autograd.graph.saved_tensors_hooks):
-    """The storages of what autograd saves while it is entered (the tensors pass on unchanged)."""
+    """The storages of what autograd saves while it is entered (autograd keeps aliases of the
+    tensors, as_saved)."""
 
     def __init__(self):
         self.pointers: set[int] = set()
