@@ -69,9 +69,10 @@ ChunkPool::~ChunkPool() {
 void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err) {
   std::lock_guard<std::mutex> lock(mu_);
   if (bytes == 0) bytes = 1;  // a distinct address per request, as cudaMalloc callers expect
-  const ArenaUse arenas = arenas_now();  // read once: another thread may switch it meanwhile
-  void* p = bytes <= config_.chunk_size / 2 ? allocate_small(bytes, stream, tag, arenas, err)
-                                            : allocate_large(bytes, stream, tag, arenas, err);
+  const bool small = bytes <= config_.chunk_size / 2;
+  // Read once: another thread may switch it meanwhile. Small requests stay in lasting arenas (ArenaUse).
+  const ArenaUse arenas = small ? ArenaUse::lasting : arenas_now();
+  void* p = small ? allocate_small(bytes, stream, tag, arenas, err) : allocate_large(bytes, stream, tag, arenas, err);
   if (!p && err->kind == UM_ERR_OOM) {
     ++stats_.num_ooms;
     err->message = oom_message(bytes, tag, err->over_budget);

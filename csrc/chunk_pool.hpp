@@ -61,7 +61,10 @@ struct BudgetConfig {
 // allocated between steps) or one step's own (what its forward and backward allocate, while
 // set_step_arenas is on). Kept apart, a step's arenas are wholly free between steps, so a hard
 // budget can give their GPU memory back (empty_cache) instead of being held by a few lasting
-// tensors scattered through them.
+// tensors scattered through them. Small requests (half a chunk or less) always take lasting
+// arenas: the small tensors a step makes that outlive it are the common case, not the exception
+// (the loss a loop still holds as the next step begins, a library's workspace made at its first
+// call, a gradient scaler's scale), and one would keep a whole step arena and its backing.
 enum class ArenaUse : uint8_t { lasting, step };
 constexpr int kArenaUses = 2;
 

@@ -617,14 +617,12 @@ def test_what_a_step_allocates_comes_from_arenas_of_its_own(make_pool):
     lasting = pool.malloc(4 * MiB)  # a parameter, say: its arena has room for the step's data
     pool.set_step_arenas(True)
     assert pool.step_arenas()
-    step, small = pool.malloc(4 * MiB), pool.malloc(1024)
-    assert pool.raw_stats()["arena_count"] == 2  # a step arena, holding both
+    step = pool.malloc(4 * MiB)
+    assert pool.raw_stats()["arena_count"] == 2  # a step arena
     pool.set_step_arenas(False)
     state = pool.malloc(4 * MiB)  # optimizer state made after the step: back among the lasting
     assert pool.raw_stats()["arena_count"] == 2
     pool.free(step)
-    assert pool.empty_cache() == 0  # the small block still holds the step arena
-    pool.free(small)
     assert pool.empty_cache() == 16 * MiB and pool.raw_stats()["arena_count"] == 1
     assert pool.block_at(lasting) is not None and pool.block_at(state) is not None
 
@@ -649,16 +647,19 @@ def test_between_steps_the_step_arenas_are_wholly_free_and_give_their_backing_ba
     assert all(pool.block_at(p) is not None for p in state)
 
 
-def test_small_blocks_of_a_step_never_share_a_chunk_with_lasting_ones(make_pool):
+def test_a_small_tensor_a_step_makes_that_outlives_it_keeps_no_step_arena(make_pool):
+    """The loss a loop still holds as the next step begins, a workspace made at a library's first
+    call: small requests take lasting arenas, so the step arena is wholly free between steps."""
     pool = make_pool(arena=16 * MiB)
-    lasting = pool.malloc(1024)
+    parameter = pool.malloc(4 * MiB)
     pool.set_step_arenas(True)
-    step = pool.malloc(1024)
+    activation, loss = pool.malloc(4 * MiB), pool.malloc(4)
     pool.set_step_arenas(False)
-    assert pool.raw_stats()["arena_count"] == 2  # not in the lasting chunk's free space
-    pool.free(step)
-    assert pool.empty_cache() == 16 * MiB  # the step's small chunk went back to its arena, and that
-    assert pool.block_at(lasting) is not None  # arena to the driver
+    assert pool.raw_stats()["arena_count"] == 2
+    pool.free(activation)
+    assert pool.empty_cache() == 16 * MiB  # the loss, still live, is in the parameter's arena
+    assert pool.raw_stats()["arena_count"] == 1
+    assert pool.block_at(loss) is not None and pool.block_at(parameter) is not None
 
 
 def test_under_a_hard_budget_a_request_goes_where_it_backs_the_least_new_memory(make_pool):
