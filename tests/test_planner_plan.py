@@ -5,6 +5,7 @@ import pytest
 
 from um_alloc.planner.planning import (SAFE, Calibration, Decision, PlanInfeasible, Segment, UnitCost, evaluate,
                                        make_plan, pool_repeats)
+from um_alloc.sizes import parse_size, size_text
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -58,6 +59,36 @@ def test_an_infeasible_budget_is_refused_with_the_smallest_that_fits():
     assert smallest == cal.smallest_peak() + 512 * MiB
     assert "smallest budget that fits is" in str(refused.value)
     make_plan(cal, smallest)  # that figure is enough
+
+
+def test_the_budget_an_infeasible_plan_asks_for_is_one_a_user_writes_and_fits():
+    """The smallest budget just over a round figure reads as that figure at one decimal ("5.5 GiB"
+    for 5.52): the message also names a round budget above it, which fits."""
+    cal = transformer()
+    with pytest.raises(PlanInfeasible) as refused:
+        make_plan(cal, 6 * GiB)
+    asked = refused.value.smallest_bytes
+    rounded = -(-asked // (256 * MiB)) * 256 * MiB
+    written = size_text(rounded)
+    assert f"ask for {written} or more" in str(refused.value)
+    assert parse_size(written, key="budget", source="test") == rounded >= asked
+    make_plan(cal, rounded)
+
+
+def test_memory_in_use_that_grew_after_measuring_lifts_every_peak_by_as_much():
+    """The optimizer's state made after the measured steps (gradient accumulation) is in use all
+    through the step: the plan keeps less, and a budget it no longer fits is refused."""
+    cal = transformer()
+    grown = cal.with_more_in_use(2 * GiB)
+    assert grown.start_live_bytes == cal.start_live_bytes + 2 * GiB
+    assert [s.peak_bytes for s in grown.segments] == [s.peak_bytes + 2 * GiB for s in cal.segments]
+    before, after = make_plan(cal, 12 * GiB), make_plan(grown, 12 * GiB)
+    kept = lambda plan: sum(u.retained(d) for u, d in zip(plan.units, plan.decisions))  # noqa: E731
+    assert kept(after) < kept(before)
+    assert after.predicted_peak_bytes <= after.limit_bytes
+    assert evaluate(grown, before.decisions, 12 * GiB).predicted_peak_bytes == before.predicted_peak_bytes + 2 * GiB
+    with pytest.raises(PlanInfeasible):
+        make_plan(grown, cal.smallest_budget(512 * MiB))
 
 
 def test_the_safe_mode_is_what_a_budget_at_the_floor_gets():

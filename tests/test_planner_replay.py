@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from um_alloc.planner import BlockPlanner, Decision, find_units
+from um_alloc.planner import BlockPlanner, Decision, PlanInfeasible, find_units
 from um_alloc.planner.replay import Runtime
 from planner_helpers import Block, BlocksAsAttributes, Fixed, ScaledAfter, decisions_for
 
@@ -278,6 +278,38 @@ def test_a_planned_step_out_of_memory_widens_the_margin_and_says_how_much_lower_
     assert "a budget 256.0 MiB lower plans with this margin from the first step" in caplog.text
     model(input_ids=ids, labels=ids).loss.backward()  # the next step runs the new plan
     assert planner.plan is not None
+    planner.remove()
+
+
+def test_more_memory_in_use_as_a_step_begins_plans_again_before_it_runs(caplog):
+    """A loop that accumulates gradients over micro-batches makes the optimizer's state after the
+    measuring steps: a step that begins with more in use than they did gets a plan with that
+    much more in every peak, and where none fits, an error before its forward runs, not an
+    out-of-memory error inside it. Growth within GROWTH_PLANNED_AGAIN changes nothing."""
+    from um_alloc.planner.director import GROWTH_PLANNED_AGAIN
+
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "2GiB")
+    ids = torch.randint(0, 97, (4, 16))
+    in_use = [0]
+    planner._probe.live = lambda: in_use[0]  # the CPU has no pool: stand in for its live bytes
+    for _ in range(3):  # two to calibrate, then the plan
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured, plan = planner.calibration, planner.plan
+    in_use[0] = GROWTH_PLANNED_AGAIN
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert planner.calibration is measured and planner.plan is plan
+    in_use[0] = 700 << 20
+    with caplog.at_level("INFO", logger="um_alloc"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert "700.0 MiB more in use as a step begins than when input 4x16, 4x16 was measured" in caplog.text
+    assert planner.calibration.start_live_bytes == measured.start_live_bytes + (700 << 20)
+    assert planner.plan is not plan
+    assert planner.plan.predicted_peak_bytes == plan.predicted_peak_bytes + (700 << 20)
+    in_use[0] = 7 << 28  # 1.75 GiB: with the 512 MiB margin, more than the 2 GiB budget leaves
+    with pytest.raises(PlanInfeasible, match=r"more GPU memory is in use as this step begins than when input "
+                                             r"4x16, 4x16 was measured .* ask for 2.25GiB or more"):
+        model(input_ids=ids, labels=ids)
     planner.remove()
 
 

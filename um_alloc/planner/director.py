@@ -70,6 +70,7 @@ DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved") 
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
 BORROWED_STEPS = 16                  # steps an input runs a larger input's plan before it is measured itself
 PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOVED})  # need the first step's probes
+GROWTH_PLANNED_AGAIN = 64 << 20      # more in use as a step begins than a plan was measured with
 _KEEP_STARTS = 64                    # step start events kept for the measured step time
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKeyDictionary()
 
@@ -181,6 +182,7 @@ class BlockPlanner:
     def begin(self, signature: tuple, partial: bool = False) -> StepSpec:
         shape = self._shape(signature, partial)
         self._close_calibration(shape)
+        self._follow_memory_in_use()
         if shape.failures >= 2:
             raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
                                  f"activations in host memory) ran out of memory {shape.failures} times for "
@@ -224,6 +226,31 @@ class BlockPlanner:
             self._runtime.transfers.time_copies()
         safe = tuple(SAFE[u.kind] for u in self.units) + (SAFE["gap"],)
         return StepSpec(safe, recorder, count_ops=probes, full_recompute=True, owner=shape)
+
+    def _follow_memory_in_use(self) -> None:
+        """Memory that outlasts steps can grow after the steps that measured: the optimizer's state
+        is made at its first step, which comes after them where a loop accumulates gradients over
+        micro-batches, and accumulated gradients are in use all through every micro-batch but the
+        first. Where a step begins with more in use than an input's plan was measured with, that
+        input's figures move up by the difference and its plan is made again, before the step runs."""
+        live = self._probe.live()
+        for shape in self._shapes.values():
+            cal = shape.calibration
+            if cal is None or live - cal.start_live_bytes <= GROWTH_PLANNED_AGAIN:
+                continue
+            grown = live - cal.start_live_bytes
+            shape.calibration = cal.with_more_in_use(grown)
+            log.info("planner: %s more in use as a step begins than when input %s was measured (the optimizer's "
+                     "state made since, gradients accumulated): planning it again", format_size(grown),
+                     _shape_text(shape.signature))
+            try:
+                self._plan_shape(shape)
+            except PlanInfeasible as error:
+                raise PlanInfeasible(
+                    f"{format_size(grown)} more GPU memory is in use as this step begins than when input "
+                    f"{_shape_text(shape.signature)} was measured (the optimizer's state, made at its first step "
+                    f"after the measuring ones, or gradients accumulated over micro-batches), and no plan fits "
+                    f"with it: {error}", error.smallest_bytes) from None
 
     def _new_layout(self, safe: bool) -> None:
         """Where a step lays its activations out anew (a safe step, the first planned step after

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from ..sizes import format_size
+from ..sizes import format_size, size_text
 
 __all__ = ["Decision", "UnitCost", "Segment", "Calibration", "Plan", "PlanInfeasible", "make_plan",
            "BLOCK_DECISIONS", "GAP_DECISIONS", "pool_repeats"]
@@ -62,6 +62,7 @@ class Decision(str, enum.Enum):
 BLOCK_DECISIONS = tuple(Decision)
 GAP_DECISIONS = (Decision.KEEP, Decision.MOVE)  # a gap is not in a container the plan can rerun
 SAFE = {"block": Decision.RECOMPUTE_MOVED, "gap": Decision.MOVE}
+BUDGET_GRAIN = 256 << 20  # a budget to ask for, in the infeasible plan's message: one a user writes
 # The forward a plan's copies out hide under: none. Measured plans that moved anything in forward
 # were slower by about the link's time for those bytes (BERT-Large on an H100: 20 inputs of 64 MiB
 # moved, one a block, cost 1-1.5 ms each beside a 2.5 ms forward), since compute that reuses the
@@ -187,6 +188,14 @@ class Calibration:
     link_bytes_per_s: float      # pinned host <-> device copies, the slower direction
     fragmentation_bytes: int = 0  # what the allocator held beyond live bytes at the peak
     reserved_bytes: int = 0      # device memory outside the budget's view (copy stages)
+    start_live_bytes: int = 0    # live as the measured step began: parameters, optimizer state, ...
+
+    def with_more_in_use(self, extra_bytes: int) -> "Calibration":
+        """This calibration where `extra_bytes` more are in use all through the step: memory that
+        outlasts steps and grew after the measured one (the optimizer's state, made at its first
+        step; gradients accumulated over micro-batches)."""
+        segments = tuple(replace(s, peak_bytes=s.peak_bytes + extra_bytes) for s in self.segments)
+        return replace(self, segments=segments, start_live_bytes=self.start_live_bytes + extra_bytes)
 
     def base_step_s(self) -> float:
         """The step with everything kept. In the safe step each block ran its forward twice: once
@@ -292,8 +301,8 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
             f"budget {format_size(budget_bytes)} is too small for this model and batch: even with every "
             f"block recomputed and every movable activation in host memory the step peaks at "
             f"{format_size(floor)} on the GPU, and {format_size(smallest - floor)} more is needed beside it "
-            f"(margin, fragmentation, copy stages); the smallest budget that fits is {format_size(smallest)}",
-            smallest)
+            f"(margin, fragmentation, copy stages); the smallest budget that fits is {format_size(smallest)}: "
+            f"ask for {size_text(_round_up(smallest, BUDGET_GRAIN))} or more", smallest)
     options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale(), COPY_OUT_LEAD_S)
                for u in cal.units]
     link_room = _link_room(cal, hide_fraction)
@@ -323,6 +332,10 @@ def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: i
     costs = tuple(u.cost_s(d, rate, scale, COPY_OUT_LEAD_S) for u, d in zip(cal.units, decisions))
     step = cal.base_step_s() + sum(costs) + _stall_s(moved, link_room, cal.link_bytes_per_s)
     return Plan(decisions, cal.units, budget_bytes, limit, step, peak, moved, costs)
+
+
+def _round_up(n: int, grain: int) -> int:
+    return -(-n // grain) * grain
 
 
 def _stall_s(moved: int, link_room: int, rate: float) -> float:

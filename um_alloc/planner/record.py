@@ -41,6 +41,14 @@ class MemoryProbe:
             self._backed_start = self._pool.device_backed()[0]
             self._held_peak = self._pool.device_held()[1]
 
+    def live(self) -> int:
+        """GPU live bytes now; the peak is left as it is."""
+        if self._pool is not None:
+            return self._pool.device_live()[0]
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return 0
+
     def look(self) -> tuple[int, int]:
         """(live now, peak since the previous look); the peak starts over."""
         if self._pool is not None:
@@ -119,7 +127,7 @@ class StepRecorder:
         self._pairs: list[tuple[str, int, int, int]] = []  # (kind, unit, start mark, end mark)
         self._ops: list[tuple[int, object, object]] = []   # (unit, start, end) of kept ops
         self.probe.begin_step()
-        self.probe.look()
+        self.start_live = self.probe.look()[0]
 
     def mark(self, label: str, unit: int | None = None) -> int:
         live, peak = self.probe.look()
@@ -197,7 +205,8 @@ class StepRecorder:
                       for j, ((name, kind), s) in enumerate(zip(names, self.units)))
         live_peak = max((m.peak for m in self.marks), default=0)
         return Calibration(units, self._segments(), self._seconds(self.marks[0].clock, next_start),
-                           link_bytes_per_s, self.probe.held_beyond_live(live_peak), reserved_bytes)
+                           link_bytes_per_s, self.probe.held_beyond_live(live_peak), reserved_bytes,
+                           self.start_live)
 
     def _rebuild_figures(self, seen: _UnitSeen) -> dict:
         probe = seen.rebuilt
