@@ -5,6 +5,9 @@ everything in memory and everything checkpointed: each model in one invocation.
     python bench/bench_zoo.py --models vit --fractions 0.4,0.7
     python bench/bench_zoo.py --models llama --lengths 256:1024   # a length per step (dynamic padding)
 
+    python bench/bench_zoo.py --models gpt2 --batch 2 --accumulate 4   # loops as users write them
+    python bench/bench_zoo.py --models encoder --fp16                    # (zoo_train.py's options)
+
 For each model (bench/zoo_train.py: a plain loop with no um_alloc line, each run a process of its own):
   stock          PyTorch's allocator, everything in memory: the reference of every ratio; its peak
                  of allocated bytes times each of --fractions is a budget (rounded to 256 MiB)
@@ -70,7 +73,15 @@ def zoo_run(name: str, model: str, args, *extra: str, launch: tuple[str, ...] = 
         train_args += ["--batch", str(args.batch)]
     if args.lengths:
         train_args += ["--lengths", args.lengths, "--pad-to", str(args.pad_to)]
+    train_args += loop_args(args)
     return Run(name, f"bench/zoo_train.py {' '.join(train_args)}", train_args, script=ZOO_TRAIN, launch=launch)
+
+
+def loop_args(args) -> list[str]:
+    """How the script's loop trains (zoo_train.py --accumulate, --fp16, --freeze-layers)."""
+    out = ["--accumulate", str(args.accumulate)] if args.accumulate > 1 else []
+    out += ["--fp16"] if args.fp16 else []
+    return out + (["--freeze-layers", str(args.freeze_layers)] if args.freeze_layers else [])
 
 
 def peer_run(model: str, args, budget: int, layers: str) -> tuple[dict | None, str, str]:
@@ -208,6 +219,14 @@ def compare_model(model: str, args, run_id: str) -> list[dict]:
     return [stock_record, *records]
 
 
+def loop_suffix(args) -> str:
+    """_accumulate4_fp16_freeze12: the loop's options in a result file's name."""
+    parts = [f"accumulate{args.accumulate}"] if args.accumulate > 1 else []
+    parts += ["fp16"] if args.fp16 else []
+    parts += [f"freeze{args.freeze_layers}"] if args.freeze_layers else []
+    return "".join(f"_{p}" for p in parts)
+
+
 def print_table(model: str, records: list[dict]) -> None:
     print(f"\n{model}: run {records[0]['run_id']}")
     print(f"{'method':<15}{'budget':>10}{'k':>4}{'samples/s':>11}{'vs stock':>10}{'vs peer':>9}{'NVML':>11}  status")
@@ -233,6 +252,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
                    "(bench/zoo_train.py --lengths; llama and t5): samples/s is then the mean after --warmup")
     p.add_argument("--pad-to", type=int, default=8, help="--lengths: each rounded up to a multiple of this")
+    p.add_argument("--accumulate", type=int, default=1, metavar="N", help="zoo_train.py --accumulate: "
+                   "gradients of N micro-batches a step")
+    p.add_argument("--fp16", action="store_true", help="zoo_train.py --fp16: float16 with a GradScaler")
+    p.add_argument("--freeze-layers", type=int, default=0, metavar="K", help="zoo_train.py --freeze-layers")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")
@@ -253,6 +276,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fractions must lie between 0 and 1 (budgets below stock's peak); got {args.fractions}")
     if args.pad_to < 1:
         p.error(f"--pad-to must be at least 1; got {args.pad_to}")
+    if args.accumulate < 1 or args.freeze_layers < 0:
+        p.error(f"--accumulate must be at least 1 and --freeze-layers at least 0; got {args.accumulate} and "
+                f"{args.freeze_layers}")
     refuse_bad_counts(p, args)
     return args
 
@@ -264,7 +290,7 @@ def main(argv=None) -> int:
     for model in args.models:
         records = compare_model(model, args, run_id)
         print_table(model, records)
-        print(f"wrote {write_result(f'zoo_{model}', records, out)}", flush=True)
+        print(f"wrote {write_result(f'zoo_{model}{loop_suffix(args)}', records, out)}", flush=True)
     return 0
 
 

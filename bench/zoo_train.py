@@ -9,8 +9,17 @@ under ``python -m um_alloc run``.
 
 Models (MODELS): llama (a 24-layer decoder with grouped-query attention and a SwiGLU MLP, ~330M
 parameters), t5 (an encoder-decoder of 12 + 12 layers, gated-GELU feed-forward as T5 v1.1 and
-Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M). --tiny builds two-layer versions of
-each for tests (on the CPU with --cpu).
+Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M), gpt2 (GPT-2-medium, ~355M), and
+models that are not Hugging Face's, whose loss the loop computes: encoder (a language model on
+PyTorch's own nn.TransformerEncoder, 24 pre-norm layers of width 1024, its cross-entropy taken over
+fp32 logits, ~370M), convnext and swin (torchvision's ConvNeXt-T, with stochastic depth, and
+Swin-T, at 224x224). --tiny builds two-layer versions of the Hugging Face and PyTorch models for
+tests (on the CPU with --cpu); torchvision's have no tiny version.
+
+Loops as users write them: --accumulate N accumulates gradients over N micro-batches of --batch
+(the optimizer's state is then made after N forwards and backwards); --fp16 trains in float16
+autocast with a GradScaler instead of bfloat16; --freeze-layers K freezes the embeddings and the
+first K layers (a partial fine-tune: the optimizer holds state for the rest only).
 
 --lengths MIN:MAX (the sequence models) gives each step a sequence length drawn from MIN to MAX,
 rounded up to a multiple of --pad-to (default 8), as a data collator padding each batch to its
@@ -18,7 +27,8 @@ longest sequence (pad_to_multiple_of) does; samples/s is then the mean over the 
 median, since what a new length costs is the point.
 
 No key-value cache: training needs none. --checkpoint-layers K checkpoints the first K of the model's layers in module order (Hugging
-Face's own gradient checkpointing, turned off layer by layer past K); "all" checkpoints every one.
+Face's own gradient checkpointing, turned off layer by layer past K; torch.utils.checkpoint around
+each of the first K blocks of the other models); "all" checkpoints every one.
 --compile trains through torch.compile(model), its default mode.
 --memory-limit caps PyTorch's allocator with set_per_process_memory_fraction. The last line of
 stdout is one JSON object; an out-of-memory ends the run with exit status 3.
@@ -26,6 +36,7 @@ stdout is one JSON object; an out-of-memory ends the run with exit status 3.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -51,6 +62,8 @@ class ZooModel:
     make_batch: Callable[..., dict]            # (batch, tiny, generator) -> the model's keyword arguments
     sample: str
     sequence_key: str | None = None            # the input whose length --lengths draws
+    loss: Callable[..., torch.Tensor] | None = None  # (model, inputs) -> loss, where the loop computes it
+    layers: Callable[..., list] | None = None  # model -> its blocks, where checkpointing is not Hugging Face's
 
 
 def _llama(tiny: bool):
@@ -82,6 +95,67 @@ def _vit(tiny: bool):
     return ViTForImageClassification(ViTConfig(**size))
 
 
+def _gpt2(tiny: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    size = (dict(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0) if tiny else
+            dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024))
+    return GPT2LMHeadModel(GPT2Config(use_cache=False, **size))
+
+
+class TokenEncoder(torch.nn.Module):
+    """A language model as PyTorch alone builds it: embeddings, nn.TransformerEncoder (pre-norm,
+    GELU, dropout 0.1), a head; the loop takes the loss."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Parameter(torch.zeros(1, length, width))
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.1, activation="gelu",
+                                                 batch_first=True, norm_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens) + self.position[:, :tokens.shape[1]]
+        return self.head(self.norm(self.encoder(hidden)))
+
+
+def _encoder(tiny: bool):
+    return TokenEncoder(97, 32, 2, 2, 16) if tiny else TokenEncoder(32000, 1024, 24, 16, 512)
+
+
+def _next_token_loss(model, inputs: dict) -> torch.Tensor:
+    """As a user's loop writes it: the logits upcast to fp32, then cross-entropy."""
+    tokens = inputs["tokens"]
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _torchvision(name: str):
+    def build(tiny: bool):
+        if tiny:
+            raise SystemExit(f"zoo_train.py: {name} has no --tiny version")
+        import torchvision
+        return getattr(torchvision.models, name)()
+    return build
+
+
+def _image_loss(model, inputs: dict) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(inputs["pixel_values"]), inputs["labels"])
+
+
+def _stage_blocks(model) -> list:
+    """torchvision's ConvNeXt and Swin: the blocks of each stage (a Sequential in model.features)."""
+    return [block for stage in model.features for block in stage
+            if isinstance(stage, torch.nn.Sequential) and type(block).__name__ in ("CNBlock", "SwinTransformerBlock",
+                                                                                   "SwinTransformerBlockV2")]
+
+
 def _tokens(vocab: int, shape: tuple, generator) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=generator)
 
@@ -103,10 +177,31 @@ def _vit_batch(batch: int, tiny: bool, generator) -> dict:
             "labels": _tokens(10 if tiny else 1000, (batch,), generator)}
 
 
+def _gpt2_batch(batch: int, tiny: bool, generator) -> dict:
+    ids = _tokens(97 if tiny else 50257, (batch, 16 if tiny else 1024), generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _encoder_batch(batch: int, tiny: bool, generator) -> dict:
+    return {"tokens": _tokens(97 if tiny else 32000, (batch, 16 if tiny else 512), generator)}
+
+
+def _image_batch(batch: int, tiny: bool, generator) -> dict:
+    return {"pixel_values": torch.randn(batch, 3, 224, 224, generator=generator),
+            "labels": _tokens(1000, (batch,), generator)}
+
+
 MODELS = {
     "llama": ZooModel(_llama, 8, _llama_batch, "a sequence of 1024 tokens", "input_ids"),
     "t5": ZooModel(_t5, 32, _t5_batch, "512 tokens in, 128 out", "input_ids"),
     "vit": ZooModel(_vit, 128, _vit_batch, "a 224x224 image"),
+    "gpt2": ZooModel(_gpt2, 8, _gpt2_batch, "a sequence of 1024 tokens", "input_ids"),
+    "encoder": ZooModel(_encoder, 16, _encoder_batch, "a sequence of 512 tokens", "tokens", loss=_next_token_loss,
+                        layers=lambda model: list(model.encoder.layers)),
+    "convnext": ZooModel(_torchvision("convnext_tiny"), 192, _image_batch, "a 224x224 image", loss=_image_loss,
+                         layers=_stage_blocks),
+    "swin": ZooModel(_torchvision("swin_t"), 128, _image_batch, "a 224x224 image", loss=_image_loss,
+                     layers=_stage_blocks),
 }
 
 
@@ -124,6 +219,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pad-to", type=int, default=PAD_TO, help=f"--lengths: round each length up to a multiple of "
                    f"this (default {PAD_TO})")
     p.add_argument("--compile", action="store_true", help="train through torch.compile(model) (the default mode)")
+    p.add_argument("--accumulate", type=int, default=1, metavar="N",
+                   help="micro-batches of --batch whose gradients one optimizer step takes (default 1)")
+    p.add_argument("--fp16", action="store_true", help="float16 autocast with a GradScaler (default: bfloat16)")
+    p.add_argument("--freeze-layers", type=int, default=0, metavar="K",
+                   help="freeze the input embeddings and the first K layers")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -135,6 +235,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
     if args.batch is not None and args.batch < 1:
         p.error(f"--batch must be at least 1; got {args.batch}")
+    if args.accumulate < 1:
+        p.error(f"--accumulate must be at least 1; got {args.accumulate}")
+    if args.freeze_layers < 0:
+        p.error(f"--freeze-layers must be at least 0; got {args.freeze_layers}")
     if args.pad_to < 1:
         p.error(f"--pad-to must be at least 1; got {args.pad_to}")
     if args.lengths is not None:
@@ -163,21 +267,51 @@ def step_lengths(lengths: tuple[int, int], steps: int, seed: int, pad_to: int = 
     return [min(-(-n // pad_to) * pad_to, high) for n in drawn]
 
 
-def checkpointed_layers(model: torch.nn.Module, first: str | None) -> int:
-    """Turns on Hugging Face's checkpointing of the first `first` layers ("all": every one); the
-    number of layers checkpointed."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
+def checkpointed_layers(model: torch.nn.Module, first: str | None, zoo: ZooModel | None = None) -> int:
+    """Turns on Hugging Face's checkpointing of the first `first` layers ("all": every one), or
+    for a model that names its blocks (`zoo.layers`), wraps each of the first in
+    torch.utils.checkpoint; the number of layers checkpointed."""
     if first is None:
         return 0
+    if zoo is not None and zoo.layers is not None:
+        return _checkpoint_blocks(zoo.layers(model), first)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     # transformers 5 renamed gradient_checkpointing_enable
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = _hugging_face_layers(model)
     count = len(layers) if first == "all" else min(int(first), len(layers))
     for layer in layers[count:]:
         layer.gradient_checkpointing = False
     return count
+
+
+def _checkpoint_blocks(blocks: list, first: str) -> int:
+    from torch.utils.checkpoint import checkpoint
+
+    count = len(blocks) if first == "all" else min(int(first), len(blocks))
+    for block in blocks[:count]:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return count
+
+
+def frozen_layers(model: torch.nn.Module, first: int, zoo: ZooModel) -> int:
+    """Freezes the input embeddings and the first `first` layers (a partial fine-tune); how many."""
+    if not first:
+        return 0
+    blocks = zoo.layers(model) if zoo.layers is not None else _hugging_face_layers(model)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for module in [embeddings, *blocks[:first]]:
+        for parameter in ([] if module is None else module.parameters()):
+            parameter.requires_grad_(False)
+    return min(first, len(blocks))
+
+
+def _hugging_face_layers(model: torch.nn.Module) -> list:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def limit_memory(limit: str | None, device: torch.device) -> int | None:
@@ -215,40 +349,61 @@ def train(args, device: torch.device) -> dict:
     zoo = MODELS[args.model]
     torch.manual_seed(args.seed)
     model = zoo.build(args.tiny).to(device).train()
-    layers = checkpointed_layers(model, args.checkpoint_layers)
+    layers = checkpointed_layers(model, args.checkpoint_layers, zoo)
+    frozen = frozen_layers(model, args.freeze_layers, zoo)
     call = torch.compile(model) if args.compile else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
     batch_size = args.batch or (2 if args.tiny else zoo.batch)
     generator = torch.Generator().manual_seed(args.seed)
     # Made before the loop, as a data loader's workers would have them ready: drawing a batch of
     # images on the host takes longer than a step of ViT on the GPU.
     batches = [{k: v.pin_memory() if device.type == "cuda" else v
                 for k, v in zoo.make_batch(batch_size, args.tiny, generator).items()} for _ in range(BATCHES)]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    precision = torch.float16 if args.fp16 else torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=precision, enabled=device.type == "cuda")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16 and device.type == "cuda")
     lengths = step_lengths(args.lengths, args.steps, args.seed, args.pad_to) if args.lengths else None
     losses, seconds = [], []
     for step in range(args.steps):
         begun = time.perf_counter()
-        inputs = {k: v.to(device, non_blocking=True) for k, v in batches[step % BATCHES].items()}
-        if lengths:
-            inputs[zoo.sequence_key] = inputs[zoo.sequence_key][:, :lengths[step]]
-            if args.model == "llama":  # its labels are its input
-                inputs["labels"] = inputs[zoo.sequence_key]
-        with autocast:
-            loss = call(**inputs).loss
-        loss.backward()
-        optimizer.step()
+        total = 0.0
+        for micro in range(args.accumulate):
+            inputs = {k: v.to(device, non_blocking=True)
+                      for k, v in batches[(step * args.accumulate + micro) % BATCHES].items()}
+            if lengths:
+                inputs[zoo.sequence_key] = inputs[zoo.sequence_key][:, :lengths[step]]
+                if args.model == "llama":  # its labels are its input
+                    inputs["labels"] = inputs[zoo.sequence_key]
+            with autocast:
+                loss = zoo.loss(call, inputs) if zoo.loss is not None else call(**inputs).loss
+            if args.accumulate > 1:
+                loss = loss / args.accumulate
+            scaler.scale(loss).backward()
+            total += loss.detach()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # waits for the step, as a loop that logs its loss does
+        losses.append(float(total))  # waits for the step, as a loop that logs its loss does
         seconds.append(time.perf_counter() - begun)
     timed = seconds[args.warmup:]
     step_s = statistics.fmean(timed) if lengths else statistics.median(timed)
-    return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": batch_size,
-            "checkpointed_layers": layers, "compiled": args.compile,
-            "parameters": sum(p.numel() for p in model.parameters()), "steps": args.steps,
+    samples = batch_size * args.accumulate
+    return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": samples,
+            "micro_batch": batch_size, "accumulate": args.accumulate, "fp16": args.fp16,
+            "checkpointed_layers": layers, "frozen_layers": frozen, "compiled": args.compile,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "trained_parameters": sum(p.numel() for p in trained), "steps": args.steps,
             "step_s_median": statistics.median(timed), "step_s_mean": statistics.fmean(timed),
-            "samples_per_s": batch_size / step_s, "lengths": lengths, "step_seconds": seconds, "losses": losses,
+            "samples_per_s": samples / step_s, "lengths": lengths, "step_seconds": seconds, "losses": losses,
             "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def workload_name(args) -> str:
+    """The model and how the loop trains it: gpt2-accumulate4-bf16-adamw, encoder-fp16-adamw, ..."""
+    loop = [f"accumulate{args.accumulate}"] if args.accumulate > 1 else []
+    loop += [f"freeze{args.freeze_layers}"] if args.freeze_layers else []
+    return "-".join([args.model + ("-tiny" if args.tiny else ""), *loop, "fp16" if args.fp16 else "bf16", "adamw"])
 
 
 def main(argv=None) -> dict:
@@ -261,7 +416,7 @@ def main(argv=None) -> dict:
     result.update(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        workload=f"{args.model}{'-tiny' if args.tiny else ''}-bf16-adamw", memory_limit_bytes=limit_bytes,
+        workload=workload_name(args), memory_limit_bytes=limit_bytes,
         peak_bytes=peak_allocated(device),
         # NVML's device memory in use, end minus start: the driver keeps the pages a run used.
         device_used_delta_bytes=None if used_before is None or used_after is None else used_after - used_before)

@@ -17,10 +17,11 @@ import zoo_train  # noqa: E402
 pytest.importorskip("transformers")
 
 GiB = 1 << 30
-LAYERS = {"llama": 2, "t5": 4, "vit": 2}  # t5: two encoder and two decoder blocks
+LAYERS = {"llama": 2, "t5": 4, "vit": 2, "gpt2": 2, "encoder": 2}  # t5: two encoder and two decoder blocks
+TINY = sorted(LAYERS)  # torchvision's models (convnext, swin) have no tiny version
 
 
-@pytest.mark.parametrize("model", sorted(zoo_train.MODELS))
+@pytest.mark.parametrize("model", TINY)
 def test_each_model_trains_and_checkpointing_its_first_layers_gives_the_same_losses(model):
     plain = zoo_train.main(["--model", model, "--tiny", "--cpu", "--steps", "3", "--warmup", "1"])
     first = zoo_train.main(["--model", model, "--tiny", "--cpu", "--steps", "3", "--warmup", "1",
@@ -33,8 +34,22 @@ def test_each_model_trains_and_checkpointing_its_first_layers_gives_the_same_los
     assert plain["losses"][0] > 0 and plain["samples_per_s"] > 0 and plain["device"] == "cpu"
 
 
+def test_the_loops_options_accumulate_freeze_and_name_the_workload():
+    run = ["--model", "encoder", "--tiny", "--cpu", "--steps", "2", "--warmup", "1"]
+    accumulated = zoo_train.main([*run, "--accumulate", "3"])
+    assert accumulated["batch"] == 6 and accumulated["micro_batch"] == 2  # samples an optimizer step takes
+    assert accumulated["workload"] == "encoder-tiny-accumulate3-bf16-adamw"
+    frozen = zoo_train.main([*run, "--freeze-layers", "1"])
+    assert frozen["frozen_layers"] == 1
+    model = zoo_train.MODELS["encoder"].build(True)
+    embeddings = sum(p.numel() for p in model.embed.parameters())
+    first_layer = sum(p.numel() for p in model.encoder.layers[0].parameters())
+    assert frozen["trained_parameters"] == frozen["parameters"] - embeddings - first_layer
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "bert"], "invalid choice"),
+    (["--model", "gpt2", "--accumulate", "0"], "--accumulate must be at least 1"),
     (["--model", "llama", "--checkpoint-layers", "half"], "a number of layers or 'all'"),
     (["--model", "llama", "--warmup", "12"], "below --steps"),
     (["--model", "llama", "--batch", "0"], "at least 1"),
@@ -140,6 +155,23 @@ def test_lengths_reach_every_run_and_its_record(monkeypatch):
     assert seen and all(a[a.index("--lengths"):a.index("--lengths") + 4] == ["--lengths", "256:1024", "--pad-to", "64"]
                         for a in seen)
     assert all(r["lengths"] == [512, 1024] and r["step_s_mean"] == 0.2 for r in records if r["status"] == "ok")
+
+
+def test_the_loops_options_reach_every_run_and_name_the_results(monkeypatch, tmp_path):
+    seen = []
+    stand_in = StandIn()
+
+    def run_train(run, timeout):
+        seen.append(run.train_args)
+        return stand_in(run, timeout)
+
+    monkeypatch.setattr(bench_zoo, "run_train", run_train)
+    out = tmp_path / "results"
+    monkeypatch.setattr(bench_zoo, "RESULTS", out)
+    assert bench_zoo.main(["--models", "gpt2", "--fractions", "0.6", "--repeats", "1", "--accumulate", "4",
+                           "--fp16", "--freeze-layers", "6", "--out", str(out)]) == 0
+    assert seen and all(a[-5:] == ["--accumulate", "4", "--fp16", "--freeze-layers", "6"] for a in seen)
+    assert [f.name for f in out.iterdir()] == ["zoo_gpt2_accumulate4_fp16_freeze6.json"]
 
 
 def test_bad_pad_to_is_refused():
