@@ -130,7 +130,7 @@ def probe(method: str, batch: int, args) -> dict | None:
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
     if done.returncode != 0 or not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"[{method} b{batch}] failed: {last[:200]}", flush=True)
+        print(f"[{method} b{batch}] failed: {last[:600]}", flush=True)
         return None
     record = json.loads(lines[-1][len(MARKER):])
     print(f"[{method} b{batch}] {record['samples_per_s']:.0f} img/s, high-water {format_size(record['highwater_bytes'])}",

@@ -54,8 +54,7 @@ ChunkPool::~ChunkPool() {
   std::set<Block*> blocks;
   for (auto& set : free_runs_) blocks.insert(set.begin(), set.end());
   for (auto& [ptr, b] : live_) blocks.insert(b);
-  for (auto& sets : free_small_)
-    for (auto& set : sets) blocks.insert(set.begin(), set.end());
+  for (auto& set : free_small_) blocks.insert(set.begin(), set.end());
   std::set<Block*> containers;
   for (Block* b : blocks)
     if (b->container) containers.insert(b->container);
@@ -91,10 +90,10 @@ void* ChunkPool::allocate_large(size_t bytes, Stream stream, Tag tag, ArenaUse a
 
 void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err) {
   const size_t rounded = round_up(bytes, kSmallAlignment);
-  FreeSet* free_set = &free_small_of(arenas, tag);
-  Block* b = find_fit(*free_set, rounded);
+  FreeSet& free_set = free_small_of(tag);
+  Block* b = find_fit(free_set, rounded);
   if (b) {
-    free_set->erase(b);
+    free_set.erase(b);
     order_for_reuse(b, stream);
     Arena* a = b->arena;
     a->chunks[chunk_index(a, b->ptr, config_.chunk_size)].last_use = ++tick_;
@@ -107,9 +106,8 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse a
     b = new Block(chunk->ptr, chunk->size, chunk->arena);
     b->container = chunk;
     b->streams.reset(stream);
-    free_set = &free_small_of(chunk->arena->use, tag);  // the chunk may be the other arenas' (take_chunk_run)
   }
-  split(b, rounded, *free_set);
+  split(b, rounded, free_set);
   b->allocated = true;
   b->tag = tag;
   b->requested = bytes;
@@ -421,7 +419,7 @@ void ChunkPool::release_chunk_run(Block* b) {
 // A small block goes back to its chunk; a chunk left wholly free goes back to the chunk runs,
 // where any size can use it.
 void ChunkPool::release_small(Block* b) {
-  FreeSet& set = free_small_of(b->container->arena->use, b->container->tag);
+  FreeSet& set = free_small_of(b->container->tag);
   b = merge_into_free(b, set);
   if (b->prev || b->next) return;
   set.erase(b);

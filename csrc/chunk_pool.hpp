@@ -181,7 +181,7 @@ class ChunkPool {
   void give_arena_run(Arena* a);
   ArenaUse arenas_now() const { return step_arenas() ? ArenaUse::step : ArenaUse::lasting; }
   FreeSet& free_runs_of(const Arena* a) { return free_runs_[static_cast<int>(a->use)]; }
-  FreeSet& free_small_of(ArenaUse use, Tag tag) { return free_small_[static_cast<int>(use)][static_cast<int>(tag)]; }
+  FreeSet& free_small_of(Tag tag) { return free_small_[static_cast<int>(tag)]; }
   size_t largest_free_run() const;
   bool idle_for(Block* b, Stream stream);
   void split(Block* b, size_t size, FreeSet& set);
@@ -226,7 +226,10 @@ class ChunkPool {
   std::array<TagPolicy, kNumTags> policies_{};
   std::vector<std::unique_ptr<Arena>> arenas_;
   std::array<FreeSet, kArenaUses> free_runs_;  // free chunk runs, by the use of their arena
-  std::array<std::array<FreeSet, kNumTags>, kArenaUses> free_small_;  // inside each tag's small chunks
+  // Free space inside each tag's small chunks, whichever arena holds the chunk: a chunk a step
+  // arena lends when the budget leaves the lasting ones no new backing serves the next small
+  // requests too, rather than each taking a chunk of its own.
+  std::array<FreeSet, kNumTags> free_small_;
   std::atomic<bool> step_arenas_{false};
   std::map<char*, Block*> live_;               // allocations handed out, by address
   um_stats stats_{};

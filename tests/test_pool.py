@@ -721,12 +721,28 @@ def test_under_a_hard_budget_data_of_one_use_takes_the_others_backed_runs_rather
     pool.free(activations)
     scratch = pool.malloc(8 * MiB)  # no lasting room within 16 MiB: the step arena's freed run
     assert scratch == activations and pool.raw_stats()["backed_bytes"] == 2 * MiB + 12 * MiB
-    small = pool.malloc(1024)  # a small chunk's remainder stays with the arena it came from
+    small = pool.malloc(1024)  # no lasting room either: a chunk of the step arena's backed runs
     pool.free(scratch)
     pool.free(small)
     pool.free(gradient)
     pool.empty_cache()
     assert pool.raw_stats()["reserved_bytes"] == 4 * MiB  # all but the parameters' arena went back
+
+
+def test_small_requests_the_budget_sends_to_a_step_arena_share_one_chunk(make_pool):
+    """With the budget spent, a small request takes a chunk of the step arena's freed run; the
+    next ones take the rest of that chunk, rather than a chunk each (ResNet-50's many small
+    saves at the edge of its budget)."""
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(16 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.malloc(4 * MiB)  # parameters fill their lasting arena
+    pool.set_step_arenas(True)
+    activations, gradient = pool.malloc(10 * MiB), pool.malloc(2 * MiB)
+    pool.free(activations)  # 16 MiB backed: no new backing anywhere
+    smalls = [pool.malloc(1024) for _ in range(8)]
+    assert pool.raw_stats()["small_chunks"] == 1
+    assert all(activations <= p < activations + 10 * MiB for p in smalls)
+    assert pool.raw_stats()["backed_bytes"] == 16 * MiB
 
 
 def test_host_mapped_data_the_cap_keeps_from_new_space_takes_the_best_fit_not_the_most_backed(make_pool):
