@@ -27,7 +27,10 @@ Troubleshooting:
 - "no repeated blocks found": the model has no ModuleList/Sequential of two or more modules of one
   class; name the block classes: ``plan(model, block_classes=["MyLayer"])``.
 - PlanInfeasible: the budget is below what the safe mode needs; the message gives the smallest
-  budget that fits. Lower the batch, or keep optimizer state in host memory (host_optimizer.yaml).
+  budget that fits, and a round one to ask for. Lower the batch, or keep optimizer state in host
+  memory (host_optimizer.yaml). Raised before a step's forward also where memory in use between
+  steps grew after the measuring steps (the optimizer's state made after them under gradient
+  accumulation) and no plan fits with it: each step that begins with more in use plans again.
 - A plan that runs out of memory: the next steps use a larger margin (``margin=`` sets the start).
 - Hugging Face models: ``use_cache`` is turned off in every config the model holds (an
   encoder-decoder's decoder has its own), as their own gradient checkpointing does, since a cache
