@@ -75,6 +75,19 @@ def test_the_budget_an_infeasible_plan_asks_for_is_one_a_user_writes_and_fits():
     make_plan(cal, rounded)
 
 
+def test_a_block_backward_never_reaches_keeps_its_forward_in_the_base_step():
+    """The first layers of a partial fine-tune: frozen, their input needing no gradient, so the
+    safe step never recomputed them. The kept step still runs their forward once."""
+    cal = transformer()
+    frozen = {"layer.0", "layer.1"}
+    never_rerun = replace(cal, step_s=cal.step_s - 2 * 2e-3,  # their recomputations did not run
+                          units=tuple(replace(u, recompute_s=0.0) if u.name in frozen else u for u in cal.units))
+    assert never_rerun.base_step_s() == pytest.approx(cal.base_step_s())
+    assert never_rerun.hide_scale() == pytest.approx(cal.hide_scale())
+    plan = make_plan(never_rerun, 12 * GiB)
+    assert all(c == 0.0 for u, c in zip(plan.units, plan.costs) if u.name in frozen)
+
+
 def test_memory_in_use_that_grew_after_measuring_lifts_every_peak_by_as_much():
     """The optimizer's state made after the measured steps (gradient accumulation) is in use all
     through the step: the plan keeps less, and a budget it no longer fits is refused."""

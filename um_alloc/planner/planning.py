@@ -202,8 +202,10 @@ class Calibration:
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
         backward (recompute_s). Kept, it runs once, as fast as the faster of the two. The safe step's
         own copies out are taken as hidden under the forward close by (leads()): its forward waits
-        on the host, which leaves the link room that a planned step's does not."""
-        blocks = [u for u in self.units if u.kind == "block"]
+        on the host, which leaves the link room that a planned step's does not. A block that
+        backward never reached (its parameters frozen, its input needing no gradient: the first
+        layers of a partial fine-tune) was not recomputed: its one forward stays in the base."""
+        blocks = [u for u in self.units if u.kind == "block" and u.recompute_s > 0]
         waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind])
                      for u, lead in zip(self.units, self.leads(1.0)))
         return max(self.step_s - sum(max(u.forward_s, u.recompute_s) for u in blocks) - waited, 0.0)
@@ -212,7 +214,8 @@ class Calibration:
         """How much shorter a kept forward is than the safe step's: compute the copies of a plan
         hide under is this share of what calibration saw around them."""
         safe = sum(u.forward_s for u in self.units)
-        kept = sum(min(u.forward_s, u.recompute_s) if u.kind == "block" else u.forward_s for u in self.units)
+        kept = sum(min(u.forward_s, u.recompute_s) if u.kind == "block" and u.recompute_s > 0 else u.forward_s
+                   for u in self.units)
         return kept / safe if safe > 0 else 1.0
 
     def leads(self, scale: float | None = None) -> list[float]:
