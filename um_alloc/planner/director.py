@@ -422,7 +422,8 @@ class BlockPlanner:
         on, and returns what the cost model predicts for them: an ablation, or a check of the
         model against the measured step. `decisions` has one entry per unit and one for what is
         saved outside them (Decision or its name; see ``calibration.units``), or is a single name
-        for every block, the gaps kept. Planning again (an out-of-memory step) replaces it."""
+        for every block, the gaps kept. Planning again (an out-of-memory step, or a step that
+        begins with more memory in use than measured) replaces it."""
         shape = self._current_shape()
         if shape is None:
             raise RuntimeError("BlockPlanner.force: no plan yet; the first steps of an input shape measure")
