@@ -140,7 +140,10 @@ def _torchvision(name: str):
     def build(tiny: bool):
         if tiny:
             raise SystemExit(f"zoo_train.py: {name} has no --tiny version")
-        import torchvision
+        try:
+            import torchvision
+        except ImportError:
+            raise SystemExit(f"zoo_train.py: {name} is torchvision's; install torchvision") from None
         return getattr(torchvision.models, name)()
     return build
 

@@ -47,6 +47,16 @@ def test_the_loops_options_accumulate_freeze_and_name_the_workload():
     assert frozen["trained_parameters"] == frozen["parameters"] - embeddings - first_layer
 
 
+def test_torchvisions_models_say_what_they_need():
+    with pytest.raises(SystemExit, match="no --tiny version"):
+        zoo_train.MODELS["convnext"].build(True)
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="install torchvision"):
+            zoo_train.MODELS["swin"].build(False)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "bert"], "invalid choice"),
     (["--model", "gpt2", "--accumulate", "0"], "--accumulate must be at least 1"),
