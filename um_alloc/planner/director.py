@@ -239,9 +239,9 @@ class BlockPlanner:
         live = self._probe.live()
         for shape in self._shapes.values():
             cal = shape.calibration
-            if cal is None or live - cal.start_live_bytes <= GROWTH_PLANNED_AGAIN:
+            grown = 0 if cal is None else live - cal.start_live_bytes
+            if grown <= GROWTH_PLANNED_AGAIN:
                 continue
-            grown = live - cal.start_live_bytes
             shape.calibration = cal.with_more_in_use(grown)
             log.info("planner: %s more in use as a step begins than when input %s was measured (the optimizer's "
                      "state made since, gradients accumulated): planning it again", format_size(grown),
