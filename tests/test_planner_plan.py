@@ -88,6 +88,39 @@ def test_a_block_backward_never_reaches_keeps_its_forward_in_the_base_step():
     assert all(c == 0.0 for u, c in zip(plan.units, plan.costs) if u.name in frozen)
 
 
+def test_a_block_backward_never_reaches_holds_nothing_and_runs_as_it_is():
+    """Frozen first layers: nothing is saved for them and nothing holds their input, so keeping
+    them costs no memory, and the plan neither wraps them nor moves their input."""
+    cal = transformer(blocks=12)
+    frozen = {f"layer.{i}" for i in range(6)}
+    never_rerun = replace(cal, units=tuple(replace(u, recompute_s=0.0, saved_bytes=0, selective_bytes=0)
+                                           if u.name in frozen else u for u in cal.units))
+    budget = 12 * GiB
+    plan = make_plan(never_rerun, budget)
+    assert [d for u, d in zip(plan.units, plan.decisions) if u.name in frozen] == [Decision.KEEP] * 6
+    assert all(u.retained(d) == 0 and u.moved(d) == 0
+               for u in never_rerun.units if u.name in frozen for d in Decision)
+    # What the frozen layers' inputs would have taken goes to the layers that train: the same
+    # plan for them as where those inputs were never counted at all.
+    uncounted = replace(never_rerun, units=tuple(replace(u, input_bytes=0) if u.name in frozen else u
+                                                 for u in never_rerun.units))
+    assert plan.decisions == make_plan(uncounted, budget).decisions
+
+
+def test_a_frozen_blocks_kept_forward_sheds_the_safe_modes_wrapper_as_the_recomputed_ones_do():
+    """A block backward never reached ran its forward once, inside the safe mode's wrapper; the
+    recomputed blocks show how much faster a forward runs without it."""
+    cal = transformer(blocks=4)
+    wrapped = replace(cal, units=tuple(replace(u, forward_s=3e-3, recompute_s=1e-3) if u.kind == "block" else u
+                                       for u in cal.units))
+    frozen = replace(wrapped, step_s=wrapped.step_s - 1e-3,  # its recomputation did not run
+                     units=tuple(replace(u, recompute_s=0.0) if u.name == "layer.0" else u for u in wrapped.units))
+    kept = dict(zip((u.name for u in frozen.units), frozen.kept_forward_s()))
+    assert kept["layer.0"] == pytest.approx(1e-3) and kept["layer.1"] == pytest.approx(1e-3)
+    # Its one forward, less the wrapper, stays in the base, as a recomputed block's kept forward does.
+    assert frozen.base_step_s() == pytest.approx(wrapped.base_step_s())
+
+
 def test_memory_in_use_that_grew_after_measuring_lifts_every_peak_by_as_much():
     """The optimizer's state made after the measured steps (gradient accumulation) is in use all
     through the step: the plan keeps less, and a budget it no longer fits is refused."""

@@ -91,8 +91,17 @@ class UnitCost:
     rebuild_cpu_s: float = 0.0   # the host's
     rebuild_forward_cpu_s: float = 0.0  # the host's time, in forward, of finding what to rebuild
 
+    @property
+    def backward_reaches(self) -> bool:
+        """False for a block the safe step's backward never reran: its parameters frozen and its
+        input needing no gradient (the first layers of a partial fine-tune). Autograd saves
+        nothing for it and nothing holds its input, so no decision keeps, moves or reruns anything."""
+        return self.kind != "block" or self.recompute_s > 0
+
     def retained(self, decision: Decision) -> int:
         """Bytes this unit holds on the GPU from its forward to its backward."""
+        if not self.backward_reaches:
+            return 0
         return {
             Decision.KEEP: self.saved_bytes + self.input_bytes,
             Decision.REBUILD: self.saved_bytes - self.rebuildable_bytes + self.input_bytes,
@@ -105,6 +114,8 @@ class UnitCost:
 
     def moved(self, decision: Decision) -> int:
         """Bytes this unit sends over the link each way."""
+        if not self.backward_reaches:
+            return 0
         if decision is Decision.MOVE:
             return self.saved_bytes + self.input_bytes
         return self.input_bytes if decision.moves_inputs else 0
@@ -162,6 +173,10 @@ class UnitCost:
     def allowed(self) -> tuple[Decision, ...]:
         return BLOCK_DECISIONS if self.kind == "block" else GAP_DECISIONS
 
+    def worth_planning(self) -> tuple[Decision, ...]:
+        """The decisions a plan chooses from: a unit backward never reaches runs as it is."""
+        return self.allowed() if self.backward_reaches else (Decision.KEEP,)
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -200,31 +215,40 @@ class Calibration:
     def base_step_s(self) -> float:
         """The step with everything kept. In the safe step each block ran its forward twice: once
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
-        backward (recompute_s). Kept, it runs once, as fast as the faster of the two. The safe step's
-        own copies out are taken as hidden under the forward close by (leads()): its forward waits
-        on the host, which leaves the link room that a planned step's does not. A block that
-        backward never reached (its parameters frozen, its input needing no gradient: the first
-        layers of a partial fine-tune) was not recomputed: its one forward stays in the base."""
-        blocks = [u for u in self.units if u.kind == "block" and u.recompute_s > 0]
+        backward (recompute_s). Kept, it runs once, as fast as its kept forward (kept_forward_s).
+        The safe step's own copies out are taken as hidden under the forward close by (leads()):
+        its forward waits on the host, which leaves the link room that a planned step's does not."""
+        kept = self.kept_forward_s()
+        rerun = sum(u.forward_s + u.recompute_s - k for u, k in zip(self.units, kept) if u.kind == "block")
         waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind])
                      for u, lead in zip(self.units, self.leads(1.0)))
-        return max(self.step_s - sum(max(u.forward_s, u.recompute_s) for u in blocks) - waited, 0.0)
+        return max(self.step_s - rerun - waited, 0.0)
+
+    def kept_forward_s(self) -> list[float]:
+        """Per unit, its forward in a step that keeps it. A block the safe step recomputed ran its
+        forward twice, and the faster run is the kept one. A block backward never reached ran
+        once, inside the safe mode's wrapper (checkpoint's bookkeeping, a copy of its input) that a
+        kept block runs without: its forward is scaled as the recomputed blocks' kept forwards are
+        to their wrapped ones. A gap's is the forward it ran."""
+        reached = [u for u in self.units if u.kind == "block" and u.backward_reaches]
+        wrapped = sum(u.forward_s for u in reached)
+        unwrapped = sum(min(u.forward_s, u.recompute_s) for u in reached) / wrapped if wrapped > 0 else 1.0
+        return [u.forward_s if u.kind != "block" else
+                min(u.forward_s, u.recompute_s) if u.backward_reaches else unwrapped * u.forward_s
+                for u in self.units]
 
     def hide_scale(self) -> float:
         """How much shorter a kept forward is than the safe step's: compute the copies of a plan
         hide under is this share of what calibration saw around them."""
         safe = sum(u.forward_s for u in self.units)
-        kept = sum(min(u.forward_s, u.recompute_s) if u.kind == "block" and u.recompute_s > 0 else u.forward_s
-                   for u in self.units)
-        return kept / safe if safe > 0 else 1.0
+        return sum(self.kept_forward_s()) / safe if safe > 0 else 1.0
 
     def leads(self, scale: float | None = None) -> list[float]:
         """Per unit, the kept forward of it and of the next unit: what its copies out hide under.
-        A block's kept forward is the faster of its two measured runs; a gap's, its forward at the
-        planned step's pace (`scale`, default hide_scale())."""
+        A block's is kept_forward_s's; a gap's, its forward at the planned step's pace (`scale`,
+        default hide_scale())."""
         scale = self.hide_scale() if scale is None else scale
-        kept = [min(u.forward_s, u.recompute_s) if u.kind == "block" and u.recompute_s > 0 else scale * u.forward_s
-                for u in self.units]
+        kept = [k if u.kind == "block" else scale * u.forward_s for u, k in zip(self.units, self.kept_forward_s())]
         return [a + b for a, b in zip(kept, kept[1:] + [0.0])]
 
     def smallest_peak(self) -> int:
@@ -354,7 +378,7 @@ def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: 
     safe_decision = SAFE[unit.kind]
     safe = unit.retained(safe_decision)
     out = []
-    for d in unit.allowed():
+    for d in unit.worth_planning():
         if allowed is not None and d not in allowed and d is not safe_decision:
             continue
         if d is not safe_decision and unit.moved(d) > hide_fraction * rate * scale * unit.hide_s:
