@@ -121,6 +121,27 @@ def test_a_frozen_blocks_kept_forward_sheds_the_safe_modes_wrapper_as_the_recomp
     assert frozen.base_step_s() == pytest.approx(wrapped.base_step_s())
 
 
+def test_a_gaps_forward_that_waited_for_its_copies_out_leaves_the_base_what_they_took():
+    """A stem whose saved tensors the safe step moved: its GPU time ran past the host's by about
+    the copy's length, which a plan that keeps it does not spend. A host-bound gap's copies hid
+    under the host's time, so its forward stays whole."""
+    cal = transformer()
+    rate, moved = cal.link_bytes_per_s, 100 * MiB  # the embeddings gap's saved bytes
+    link = moved / rate
+
+    def with_embeddings(**figures):
+        return replace(cal, units=tuple(replace(u, **figures) if u.name == "embeddings" else u for u in cal.units))
+
+    host_bound = with_embeddings(forward_s=1e-3, forward_cpu_s=1.5e-3)
+    stalled = with_embeddings(forward_s=1e-3 + link + 2e-3, forward_cpu_s=1e-3)
+    slowed = with_embeddings(forward_s=1e-3 + 0.5 * link, forward_cpu_s=1e-3)
+    assert host_bound.base_step_s() == pytest.approx(cal.base_step_s())
+    # The same safe step, whose forward of the gap took longer: up to the link's time comes off.
+    longer = lambda c, by: replace(c, step_s=c.step_s + by)  # noqa: E731
+    assert longer(stalled, link + 2e-3).base_step_s() == pytest.approx(cal.base_step_s() + 2e-3)
+    assert longer(slowed, 0.5 * link).base_step_s() == pytest.approx(cal.base_step_s())
+
+
 def test_memory_in_use_that_grew_after_measuring_lifts_every_peak_by_as_much():
     """The optimizer's state made after the measured steps (gradient accumulation) is in use all
     through the step: the plan keeps less, and a budget it no longer fits is refused."""

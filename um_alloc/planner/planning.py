@@ -220,9 +220,21 @@ class Calibration:
         its forward waits on the host, which leaves the link room that a planned step's does not."""
         kept = self.kept_forward_s()
         rerun = sum(u.forward_s + u.recompute_s - k for u, k in zip(self.units, kept) if u.kind == "block")
-        waited = sum(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind])
+        waited = sum(max(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind]),
+                         self._stalled_on_copies_s(u))
                      for u, lead in zip(self.units, self.leads(1.0)))
         return max(self.step_s - rerun - waited, 0.0)
+
+    def _stalled_on_copies_s(self, unit: UnitCost) -> float:
+        """What a gap's forward in the safe step spent on its copies out: the GPU's time beyond the
+        host's, up to the link's for the bytes it moved. The host issued the forward in its own
+        time; the GPU, done later by up to a copy's length, waited for the copy or ran beside it
+        (kernels beside a copy of managed memory run slower). Not for a host-bound forward, whose
+        copies hid under the host's time. A kept gap has no copies."""
+        if unit.kind != "gap" or unit.forward_cpu_s <= 0 or self.link_bytes_per_s <= 0:
+            return 0.0
+        link = unit.moved(SAFE["gap"]) / self.link_bytes_per_s
+        return min(link, max(unit.forward_s - unit.forward_cpu_s, 0.0))
 
     def kept_forward_s(self) -> list[float]:
         """Per unit, its forward in a step that keeps it. A block the safe step recomputed ran its
