@@ -153,10 +153,10 @@ def _image_loss(model, inputs: dict) -> torch.Tensor:
 
 
 def _stage_blocks(model) -> list:
-    """torchvision's ConvNeXt and Swin: the blocks of each stage (a Sequential in model.features)."""
-    return [block for stage in model.features for block in stage
-            if isinstance(stage, torch.nn.Sequential) and type(block).__name__ in ("CNBlock", "SwinTransformerBlock",
-                                                                                   "SwinTransformerBlockV2")]
+    """torchvision's ConvNeXt and Swin: the blocks of each stage (a Sequential in model.features;
+    Swin's PatchMerging between stages is a module of its own, not a stage)."""
+    return [block for stage in model.features if isinstance(stage, torch.nn.Sequential) for block in stage
+            if type(block).__name__ in ("CNBlock", "SwinTransformerBlock", "SwinTransformerBlockV2")]
 
 
 def _tokens(vocab: int, shape: tuple, generator) -> torch.Tensor:

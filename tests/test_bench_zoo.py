@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from um_alloc.sizes import parse_size  # as zoo_train.py reads --memory-limit
 
@@ -55,6 +56,19 @@ def test_torchvisions_models_say_what_they_need():
     except ImportError:
         with pytest.raises(SystemExit, match="install torchvision"):
             zoo_train.MODELS["swin"].build(False)
+
+
+def test_swins_stage_blocks_skip_the_patch_merging_between_stages():
+    """torchvision's Swin lays out model.features as stages (Sequentials of blocks) with a
+    PatchMerging module between them, which is not a stage and holds no blocks."""
+    nn = torch.nn
+    SwinTransformerBlock = type("SwinTransformerBlock", (nn.Identity,), {})  # noqa: N806
+    PatchMerging = type("PatchMerging", (nn.Identity,), {})  # noqa: N806
+    blocks = [SwinTransformerBlock() for _ in range(4)]
+    model = nn.Module()
+    model.features = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 4, 4), nn.LayerNorm(8)),
+                                   nn.Sequential(*blocks[:2]), PatchMerging(), nn.Sequential(*blocks[2:]))
+    assert zoo_train._stage_blocks(model) == blocks
 
 
 @pytest.mark.parametrize("argv, message", [
