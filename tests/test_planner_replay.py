@@ -208,7 +208,7 @@ def test_calibration_times_each_units_backward_on_both_clocks():
     planner.remove()
 
 
-def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller_one_trains():
+def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller_one_trains(caplog):
     """The safe mode runs out of memory twice for one input shape: the planner refuses that shape,
     naming it, and stays attached; a smaller batch calibrates, plans and trains as a fresh model would."""
     from um_alloc.planner import PlanInfeasible
@@ -235,11 +235,17 @@ def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller
     big = torch.randint(0, 97, (8, 16))
     errors = []
     for _ in range(3):
-        with pytest.raises((torch.OutOfMemoryError, PlanInfeasible)) as info:
+        with caplog.at_level("WARNING", logger="um_alloc"), \
+                pytest.raises((torch.OutOfMemoryError, PlanInfeasible)) as info:
             model(input_ids=big, labels=big).loss.backward()
         optimizer.zero_grad(set_to_none=True)
         errors.append(info.value)
     assert [type(e) for e in errors] == [torch.OutOfMemoryError, torch.OutOfMemoryError, PlanInfeasible]
+    # Each out-of-memory step said what it means before the loop saw the error.
+    said = [r.getMessage() for r in caplog.records if "safe mode ran out of memory" in r.getMessage()]
+    assert len(said) == 2 and "input 8x16, 8x16" in said[0] and "1.0 GiB budget (1 of 2 tries)" in said[0]
+    assert "tries once more" in said[0] and "none is likely to fit: lower the batch" in said[1]
+    assert "(2 of 2 tries)" in said[1] and said[1].endswith("is refused (PlanInfeasible).")
     assert "ran out of memory 2 times for input 8x16, 8x16" in str(errors[-1])
     assert str(errors[-1]).endswith("lower the batch or keep optimizer state in host memory (host_optimizer.yaml)")
     losses = train(model, optimizer, 4)

@@ -325,9 +325,14 @@ class BlockPlanner:
             self._ooms = ooms
             self._after_oom = True
             if step.spec.recorder is not None:  # the safe mode itself did not fit
-                step.spec.owner.failures += 1
-                log.warning("planner: a step in the safe mode ran out of memory (%d of 2 tries)",
-                            step.spec.owner.failures)
+                owner = step.spec.owner
+                owner.failures += 1
+                log.warning("planner: the step measuring input %s in the safe mode ran out of memory under the %s "
+                            "budget (%d of 2 tries). The safe mode (every block recomputed, activations in host "
+                            "memory) takes the least memory of any plan, so none is likely to fit: %s, or raise "
+                            "the budget. %s", _shape_text(owner.signature), format_size(self.budget), owner.failures,
+                            _lighter_hint(), "A loop that runs the step again tries once more." if owner.failures < 2
+                            else "A loop that runs it again is refused (PlanInfeasible).")
             else:
                 self.on_out_of_memory()
 
