@@ -48,6 +48,57 @@ def test_every_decision_gives_plain_autograds_gradients_in_float64(decision):
     assert (moved > 0) == (decision is not Decision.KEEP)  # gaps move beside a recompute
 
 
+class DenseLayer(torch.nn.Module):
+    """torchvision's _DenseLayer in small: it takes the list of every feature so far."""
+
+    def __init__(self, width: int, growth: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, growth)
+
+    def forward(self, features: list):
+        return torch.tanh(self.linear(torch.cat(features, dim=-1)))
+
+
+class DenseBlock(torch.nn.Module):
+    """Appends each layer's output to the one list every layer is called with, as torchvision's
+    _DenseBlock does: the list a layer was called with has grown by its backward."""
+
+    def __init__(self, width: int = 6, growth: int = 4, layers: int = 3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(DenseLayer(width + i * growth, growth) for i in range(layers))
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(features))
+        return torch.cat(features, dim=-1).sum()
+
+
+@pytest.mark.parametrize("decision", [Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED, Decision.SELECTIVE],
+                         ids=lambda d: d.value)
+def test_a_block_called_with_a_list_its_caller_appends_to_recomputes_from_the_list_it_was_given(decision):
+    torch.manual_seed(0)
+    model = DenseBlock().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = gradients()
+    units = find_units(model)
+    assert [u.name for u in units if u.kind == "block"] == ["layers.0", "layers.1", "layers.2"]
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), window=1 << 20,
+                      min_bytes=1)
+    runtime.attach()
+    try:
+        planned = gradients()
+    finally:
+        runtime.detach()
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
 def test_detach_restores_the_modules():
     model = tiny_bert()
     units = find_units(model)

@@ -365,8 +365,8 @@ class Runtime:
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
         parked: list[_Parked] = []
-        held_args = [self._park(a, parked) for a in args]
-        held_kwargs = {k: self._park(v, parked) for k, v in kwargs.items()}
+        held_args = [self._park(_as_called(a), parked) for a in args]
+        held_kwargs = {k: self._park(_as_called(v), parked) for k, v in kwargs.items()}
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
         call = self._one_node_call(step, index, decision, forward, (held_args, held_kwargs), parked, inputs)
         if call is not None:
@@ -571,6 +571,20 @@ def _autocast_uncached(device_type: str):
     a third of what a kept block holds and a rebuilt one rebuilds."""
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
                           enabled=torch.is_autocast_enabled(device_type), cache_enabled=False)
+
+
+def _as_called(value):
+    """The argument as the forward found it. A list or dict the caller goes on changing after the
+    call is copied, so that a rerun reads what the forward read: DenseNet's layers each take the
+    list of every feature so far, and the block appends each layer's output to that same list.
+    Tensors and other values stay the objects they are; so do containers of other types."""
+    if type(value) is list:
+        return [_as_called(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_as_called(v) for v in value)
+    if type(value) is dict:
+        return {k: _as_called(v) for k, v in value.items()}
+    return value
 
 
 def _unpark(value):
