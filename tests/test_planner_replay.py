@@ -99,6 +99,50 @@ def test_a_block_called_with_a_list_its_caller_appends_to_recomputes_from_the_li
     assert all(torch.equal(a, b) for a, b in zip(planned, plain))
 
 
+class Noting(torch.nn.Module):
+    """A block that notes each call in a list its caller passes and reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x, notes: list):
+        self.calls = getattr(self, "calls", 0) + 1
+        notes.append(tuple(x.shape))
+        return torch.tanh(self.linear(x))
+
+
+class NotingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Noting() for _ in range(3))
+        self.notes: list = []
+
+    def forward(self, x):
+        self.notes = []
+        for layer in self.layers:
+            x = layer(x, self.notes)
+        return x.sum()
+
+
+@pytest.mark.parametrize("decision", [Decision.RECOMPUTE, Decision.SELECTIVE], ids=lambda d: d.value)
+def test_a_blocks_forward_changes_the_list_its_caller_passed_and_its_rerun_does_not(decision):
+    model = NotingModel().double()
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), window=1 << 20,
+                      min_bytes=1)
+    runtime.attach()
+    try:
+        for step in (1, 2):  # through checkpoint, then (recompute) as one node
+            loss = model(torch.randn(5, 6, dtype=torch.float64))
+            assert len(model.notes) == 3  # the forward's calls, as the caller sees them
+            loss.backward()
+            assert [layer.calls for layer in model.layers] == [2 * step] * 3  # each ran again in backward
+            assert len(model.notes) == 3  # and its rerun noted nothing more
+    finally:
+        runtime.detach()
+
+
 def test_detach_restores_the_modules():
     model = tiny_bert()
     units = find_units(model)

@@ -368,11 +368,13 @@ class Runtime:
         held_args = [self._park(_as_called(a), parked) for a in args]
         held_kwargs = {k: self._park(_as_called(v), parked) for k, v in kwargs.items()}
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
-        call = self._one_node_call(step, index, decision, forward, (held_args, held_kwargs), parked, inputs)
+        call = self._one_node_call(step, index, decision, forward, (args, kwargs), (held_args, held_kwargs), parked,
+                                   inputs)
         if call is not None:
             out = call()
         else:
-            out = self._checkpointed(step, index, decision, forward, held_args, held_kwargs, parked, inputs)
+            out = self._checkpointed(step, index, decision, forward, (args, kwargs), (held_args, held_kwargs),
+                                     parked, inputs)
         inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
         if step.spec.recorder:
             step.spec.recorder.units[index].input_shapes.append(tuple(t.shape for t, _ in inputs.watched))
@@ -386,8 +388,8 @@ class Runtime:
                 p.tensor.numel() * p.tensor.element_size() for p in parked)
         return out
 
-    def _one_node_call(self, step: Step, index: int, decision: Decision, forward, held, parked: list,
-                       inputs: "_Unchanged") -> RerunCall | None:
+    def _one_node_call(self, step: Step, index: int, decision: Decision, forward, called: tuple, held: tuple,
+                       parked: list, inputs: "_Unchanged") -> RerunCall | None:
         """This call as one node (rerun.py), or None where it is not one: a plain recompute
         (selective needs checkpoint's modes, calibration's probes its hooks) of a unit whose
         forward was seen to reach only its arguments and parameters, with arguments whose every
@@ -398,18 +400,22 @@ class Runtime:
         unit = self.units[index]
         rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
         call = RerunCall(unit.name, unit.module, forward, held, _trained_parameters(unit.module), self.device,
-                         _unpark, rerunning, self._clean[index], moved_inputs=decision.moves_inputs)
+                         _unpark, rerunning, self._clean[index], moved_inputs=decision.moves_inputs, called=called)
         return call if call.takes(len(inputs.watched)) else None
 
-    def _checkpointed(self, step: Step, index: int, decision: Decision, forward, held_args, held_kwargs,
+    def _checkpointed(self, step: Step, index: int, decision: Decision, forward, called: tuple, held: tuple,
                       parked: list, inputs: "_Unchanged"):
-        """The call under torch.utils.checkpoint. The first time, its forward also shows whether
-        the unit may from then on be recomputed as one node."""
+        """The call under torch.utils.checkpoint: its forward on the arguments it was `called`
+        with, its reruns on those `held` as called (_as_called). The first time, its forward also
+        shows whether the unit may from then on be recomputed as one node."""
         checks = self._reruns[index] is None and decision in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED)
 
         def run(anchor):
-            nonlocal checks
-            values = ([_unpark(v) for v in held_args], {k: _unpark(v) for k, v in held_kwargs.items()})
+            nonlocal checks, called
+            if called is not None:  # the forward's call; let go of its arguments: a moved input's may go
+                values, called = called, None
+            else:
+                values = ([_unpark(v) for v in held[0]], {k: _unpark(v) for k, v in held[1].items()})
             if not checks:
                 return forward(*values[0], **values[1])
             checks = False  # the forward's call: the recomputation's runs as it is
