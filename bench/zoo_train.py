@@ -13,7 +13,8 @@ Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M), gpt2 (GPT-2-m
 models that are not Hugging Face's, whose loss the loop computes: encoder (a language model on
 PyTorch's own nn.TransformerEncoder, 24 pre-norm layers of width 1024, its cross-entropy taken over
 fp32 logits, ~370M), convnext and swin (torchvision's ConvNeXt-T, with stochastic depth, and
-Swin-T, at 224x224). --tiny builds two-layer versions of the Hugging Face and PyTorch models for
+Swin-T, at 224x224), densenet, efficientnet, mobilenet and regnet (torchvision's DenseNet-121,
+EfficientNetV2-S, MobileNetV3-Large and RegNetY-1.6GF, at 224x224). --tiny builds two-layer versions of the Hugging Face and PyTorch models for
 tests (on the CPU with --cpu); torchvision's have no tiny version.
 
 Loops as users write them: --accumulate N accumulates gradients over N micro-batches of --batch
@@ -26,9 +27,10 @@ rounded up to a multiple of --pad-to (default 8), as a data collator padding eac
 longest sequence (pad_to_multiple_of) does; samples/s is then the mean over the steps after --warmup, not the
 median, since what a new length costs is the point.
 
-No key-value cache: training needs none. --checkpoint-layers K checkpoints the first K of the model's layers in module order (Hugging
-Face's own gradient checkpointing, turned off layer by layer past K; torch.utils.checkpoint around
-each of the first K blocks of the other models); "all" checkpoints every one.
+No key-value cache: training needs none. --checkpoint-layers K checkpoints the first K of the
+model's layers in module order (Hugging Face's own gradient checkpointing, turned off layer by
+layer past K; torch.utils.checkpoint around each of the first K blocks of the other models, but
+DenseNet's own memory_efficient checkpointing in its layers); "all" checkpoints every one.
 --compile trains through torch.compile(model), its default mode.
 --memory-limit caps PyTorch's allocator with set_per_process_memory_fraction. The last line of
 stdout is one JSON object; an out-of-memory ends the run with exit status 3.
@@ -159,6 +161,11 @@ def _stage_blocks(model) -> list:
             if type(block).__name__ in ("CNBlock", "SwinTransformerBlock", "SwinTransformerBlockV2")]
 
 
+def _blocks_named(*names: str) -> Callable[[torch.nn.Module], list]:
+    """A torchvision model's blocks, by class name, in module order (their order in the forward)."""
+    return lambda model: [m for m in model.modules() if type(m).__name__ in names]
+
+
 def _tokens(vocab: int, shape: tuple, generator) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=generator)
 
@@ -205,6 +212,14 @@ MODELS = {
                          layers=_stage_blocks),
     "swin": ZooModel(_torchvision("swin_t"), 128, _image_batch, "a 224x224 image", loss=_image_loss,
                      layers=_stage_blocks),
+    "densenet": ZooModel(_torchvision("densenet121"), 128, _image_batch, "a 224x224 image", loss=_image_loss,
+                         layers=_blocks_named("_DenseLayer")),
+    "efficientnet": ZooModel(_torchvision("efficientnet_v2_s"), 128, _image_batch, "a 224x224 image",
+                             loss=_image_loss, layers=_blocks_named("MBConv", "FusedMBConv")),
+    "mobilenet": ZooModel(_torchvision("mobilenet_v3_large"), 256, _image_batch, "a 224x224 image",
+                          loss=_image_loss, layers=_blocks_named("InvertedResidual")),
+    "regnet": ZooModel(_torchvision("regnet_y_1_6gf"), 192, _image_batch, "a 224x224 image", loss=_image_loss,
+                       layers=_blocks_named("ResBottleneckBlock")),
 }
 
 
@@ -295,7 +310,13 @@ def _checkpoint_blocks(blocks: list, first: str) -> int:
 
     count = len(blocks) if first == "all" else min(int(first), len(blocks))
     for block in blocks[:count]:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if hasattr(block, "memory_efficient"):
+            # torchvision's DenseNet layer checkpoints itself (memory_efficient=True), as its users
+            # do: each layer takes the list of every feature so far, which its block goes on
+            # appending to, so checkpoint around the whole layer would rerun it on the longer list.
+            block.memory_efficient = True
+        else:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return count
 
 

@@ -2,6 +2,7 @@
 layers each) with and without Hugging Face's checkpointing of the first k layers, to the same
 losses; the benchmark's budgets, its frontier search and its records, with the GPU runs replaced
 by a stand-in whose memory falls linearly with k."""
+import functools
 import sys
 from pathlib import Path
 
@@ -69,6 +70,36 @@ def test_swins_stage_blocks_skip_the_patch_merging_between_stages():
     model.features = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 4, 4), nn.LayerNorm(8)),
                                    nn.Sequential(*blocks[:2]), PatchMerging(), nn.Sequential(*blocks[2:]))
     assert zoo_train._stage_blocks(model) == blocks
+
+
+def test_torchvisions_other_models_name_their_blocks_by_class_in_forward_order():
+    """EfficientNet's stages mix MBConv and FusedMBConv; MobileNetV3's blocks sit beside other
+    layers in model.features; RegNet's in the stages of model.trunk_output."""
+    nn = torch.nn
+    kinds = {name: type(name, (nn.Identity,), {}) for name in ("FusedMBConv", "MBConv", "InvertedResidual")}
+    stem = nn.Conv2d(3, 8, 3)
+    blocks = [kinds["FusedMBConv"](), kinds["FusedMBConv"](), kinds["MBConv"](), kinds["MBConv"]()]
+    model = nn.Module()
+    model.features = nn.Sequential(stem, nn.Sequential(*blocks[:2]), nn.Sequential(*blocks[2:]), nn.Conv2d(8, 8, 1))
+    assert zoo_train.MODELS["efficientnet"].layers(model) == blocks
+    model.features = nn.Sequential(stem, kinds["InvertedResidual"](), kinds["InvertedResidual"]())
+    assert zoo_train.MODELS["mobilenet"].layers(model) == list(model.features)[1:]
+
+
+def test_a_densenet_layer_checkpoints_itself_rather_than_under_a_wrapper():
+    """A DenseNet layer reads the list its block keeps appending to: its own memory_efficient
+    checkpointing is what checkpoints it, for the first K layers only."""
+    class DenseLayer(torch.nn.Linear):
+        memory_efficient = False
+
+    layers = [DenseLayer(4, 4) for _ in range(3)]
+    forwards = [layer.forward for layer in layers]
+    assert zoo_train._checkpoint_blocks(layers, "2") == 2
+    assert [layer.memory_efficient for layer in layers] == [True, True, False]
+    assert [layer.forward for layer in layers] == forwards  # no wrapper around any of them
+    plain = torch.nn.Linear(4, 4)
+    zoo_train._checkpoint_blocks([plain], "all")
+    assert isinstance(plain.forward, functools.partial)
 
 
 @pytest.mark.parametrize("argv, message", [
