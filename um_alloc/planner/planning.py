@@ -244,9 +244,9 @@ class Calibration:
         to their wrapped ones. A gap's is the forward it ran."""
         reached = [u for u in self.units if u.kind == "block" and u.backward_reaches]
         wrapped = sum(u.forward_s for u in reached)
-        unwrapped = sum(min(u.forward_s, u.recompute_s) for u in reached) / wrapped if wrapped > 0 else 1.0
+        unwrapped_share = sum(min(u.forward_s, u.recompute_s) for u in reached) / wrapped if wrapped > 0 else 1.0
         return [u.forward_s if u.kind != "block" else
-                min(u.forward_s, u.recompute_s) if u.backward_reaches else unwrapped * u.forward_s
+                min(u.forward_s, u.recompute_s) if u.backward_reaches else unwrapped_share * u.forward_s
                 for u in self.units]
 
     def hide_scale(self) -> float:
