@@ -197,6 +197,7 @@ void ChunkPool::evict_range(Arena* a, size_t first, size_t end, Stream stream) {
 
 size_t ChunkPool::migrate(const void* ptr, bool to_gpu, Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (trace_) trace_->line("m %p %d %p", ptr, to_gpu ? 1 : 0, stream);
   Block* b = live_block_containing(ptr);
   if (!b || b->container) return 0;
   Arena* a = b->arena;
@@ -218,6 +219,9 @@ size_t ChunkPool::migrate(const void* ptr, bool to_gpu, Stream stream) {
 
 void ChunkPool::set_budget(const BudgetConfig& budget) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (trace_)
+    trace_->line("b %zu %zu %d %d", budget.budget, budget.min_swap_size, budget.enabled ? 1 : 0,
+                 budget.evict_live ? 1 : 0);
   budget_ = budget;
   stats_.budget_bytes = budget.budget;
   stats_.min_swap_size = budget.min_swap_size;

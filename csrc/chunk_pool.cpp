@@ -44,9 +44,10 @@ void StreamSet::merge(const StreamSet& other) {
 }
 
 ChunkPool::ChunkPool(std::unique_ptr<MemoryBackend> backend, PoolConfig config)
-    : backend_(std::move(backend)), config_(config) {
+    : backend_(std::move(backend)), config_(config), trace_(PoolTrace::from_environment()) {
   stats_.chunk_size = config_.chunk_size;
   stats_.max_reserved_bytes = config_.max_reserved;
+  if (trace_) trace_->line("c %zu %zu %zu", config_.chunk_size, config_.arena_size, config_.max_reserved);
 }
 
 ChunkPool::~ChunkPool() {
@@ -72,6 +73,12 @@ void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err)
   // Read once: another thread may switch it meanwhile. Small requests stay in lasting arenas (ArenaUse).
   const ArenaUse arenas = small ? ArenaUse::lasting : arenas_now();
   void* p = small ? allocate_small(bytes, stream, tag, arenas, err) : allocate_large(bytes, stream, tag, arenas, err);
+  if (trace_) {
+    if (p)
+      trace_->line("a %p %zu %d %d %p", p, bytes, static_cast<int>(tag), static_cast<int>(step_arenas()), stream);
+    else
+      trace_->line("o %zu %d %d %p", bytes, static_cast<int>(tag), static_cast<int>(step_arenas()), stream);
+  }
   if (!p && err->kind == UM_ERR_OOM) {
     ++stats_.num_ooms;
     err->message = oom_message(bytes, tag, err->over_budget);
@@ -375,8 +382,20 @@ void ChunkPool::prefetch_chunks(Arena* a, size_t first, size_t end, Stream strea
   }
 }
 
+void ChunkPool::set_step_arenas(bool on) {
+  step_arenas_.store(on, std::memory_order_relaxed);
+  if (trace_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    trace_->line("s %d", on ? 1 : 0);
+  }
+}
+
 void ChunkPool::set_tag_policy(Tag tag, const TagPolicy& policy) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (trace_)
+    trace_->line("P %d %d %d %d %d %d", static_cast<int>(tag), static_cast<int>(policy.advice.preferred),
+                 policy.advice.read_mostly, policy.advice.accessed_by_gpu, policy.advice.accessed_by_cpu,
+                 policy.prefetch);
   policies_[static_cast<int>(tag)] = policy;
 }
 
@@ -396,6 +415,7 @@ bool ChunkPool::deallocate(void* ptr) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(static_cast<char*>(ptr));
   if (it == live_.end()) return false;
+  if (trace_) trace_->line("f %p", ptr);
   Block* b = it->second;
   live_.erase(it);
   count_live(b, -1);
@@ -454,6 +474,7 @@ Block* ChunkPool::merge_into_free(Block* b, FreeSet& set) {
 
 size_t ChunkPool::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (trace_) trace_->line("e");
   return release_free_arenas();
 }
 
@@ -489,6 +510,7 @@ bool ChunkPool::record_stream(void* ptr, Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(static_cast<char*>(ptr));
   if (it == live_.end()) return false;
+  if (trace_) trace_->line("r %p %p", ptr, stream);
   it->second->streams.add(stream);
   return true;
 }
@@ -516,6 +538,7 @@ size_t ChunkPool::retag_many(const void* const* ptrs, size_t n, Tag tag, Stream 
 bool ChunkPool::retag_locked(const void* ptr, Tag tag, Stream stream) {
   Block* b = live_block_containing(ptr);
   if (!b) return false;
+  if (trace_) trace_->line("t %p %d %p", static_cast<void*>(b->ptr), static_cast<int>(tag), stream);
   if (b->tag == tag) return true;
   move_accounting(b, tag);
   b->tag = tag;
@@ -610,6 +633,11 @@ DeviceLive ChunkPool::device_live() const {
 
 void ChunkPool::reset_device_peak() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (trace_)  // the peaks this call ends, for a replay to check its own against
+    trace_->line("p %llu %llu %llu %llu %llu %llu", static_cast<unsigned long long>(device_live_.live),
+                 static_cast<unsigned long long>(device_live_.peak), static_cast<unsigned long long>(stats_.backed_bytes),
+                 static_cast<unsigned long long>(device_live_.backed_peak),
+                 static_cast<unsigned long long>(device_live_.held), static_cast<unsigned long long>(device_live_.held_peak));
   device_live_.peak = device_live_.live;
   device_live_.backed_peak = stats_.backed_bytes;
   device_live_.held_peak = device_live_.held;

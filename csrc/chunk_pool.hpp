@@ -22,6 +22,7 @@
 
 #include "advice.hpp"
 #include "backend.hpp"
+#include "pool_trace.hpp"
 #include "tags.hpp"
 #include "um_alloc.h"
 
@@ -164,7 +165,7 @@ class ChunkPool {
   void set_budget(const BudgetConfig& budget);
   BudgetConfig budget() const;
   // On: runs taken from here on come from step arenas (see ArenaUse); off: from lasting ones.
-  void set_step_arenas(bool on) { step_arenas_.store(on, std::memory_order_relaxed); }
+  void set_step_arenas(bool on);
   bool step_arenas() const { return step_arenas_.load(std::memory_order_relaxed); }
   std::string backend_error() const;
 
@@ -235,6 +236,7 @@ class ChunkPool {
   um_stats stats_{};
   DeviceLive device_live_{};
   std::string backend_error_;
+  std::unique_ptr<PoolTrace> trace_;  // UM_POOL_TRACE's record of the calls below; null: none
   BudgetConfig budget_;
   uint64_t tick_ = 0;
   uint64_t mark_seq_ = 0;  // numbers the points mark_freed records
