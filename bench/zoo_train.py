@@ -14,8 +14,9 @@ models that are not Hugging Face's, whose loss the loop computes: encoder (a lan
 PyTorch's own nn.TransformerEncoder, 24 pre-norm layers of width 1024, its cross-entropy taken over
 fp32 logits, ~370M), convnext and swin (torchvision's ConvNeXt-T, with stochastic depth, and
 Swin-T, at 224x224), densenet, efficientnet, mobilenet and regnet (torchvision's DenseNet-121,
-EfficientNetV2-S, MobileNetV3-Large and RegNetY-1.6GF, at 224x224). --tiny builds two-layer versions of the Hugging Face and PyTorch models for
-tests (on the CPU with --cpu); torchvision's have no tiny version.
+EfficientNetV2-S, MobileNetV3-Large and RegNetY-1.6GF, at 224x224). --tiny builds two-layer
+versions of the Hugging Face and PyTorch models for tests (on the CPU with --cpu); torchvision's
+have no tiny version.
 
 Loops as users write them: --accumulate N accumulates gradients over N micro-batches of --batch
 (the optimizer's state is then made after N forwards and backwards); --fp16 trains in float16
@@ -154,16 +155,13 @@ def _image_loss(model, inputs: dict) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(inputs["pixel_values"]), inputs["labels"])
 
 
-def _stage_blocks(model) -> list:
-    """torchvision's ConvNeXt and Swin: the blocks of each stage (a Sequential in model.features;
-    Swin's PatchMerging between stages is a module of its own, not a stage)."""
-    return [block for stage in model.features if isinstance(stage, torch.nn.Sequential) for block in stage
-            if type(block).__name__ in ("CNBlock", "SwinTransformerBlock", "SwinTransformerBlockV2")]
-
-
 def _blocks_named(*names: str) -> Callable[[torch.nn.Module], list]:
     """A torchvision model's blocks, by class name, in module order (their order in the forward)."""
     return lambda model: [m for m in model.modules() if type(m).__name__ in names]
+
+
+# ConvNeXt's and Swin's: the blocks of their stages, whatever lies between (Swin's PatchMerging).
+_stage_blocks = _blocks_named("CNBlock", "SwinTransformerBlock", "SwinTransformerBlockV2")
 
 
 def _tokens(vocab: int, shape: tuple, generator) -> torch.Tensor:

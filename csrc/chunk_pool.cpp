@@ -71,13 +71,14 @@ void* ChunkPool::allocate(size_t bytes, Stream stream, Tag tag, AllocError* err)
   if (bytes == 0) bytes = 1;  // a distinct address per request, as cudaMalloc callers expect
   const bool small = bytes <= config_.chunk_size / 2;
   // Read once: another thread may switch it meanwhile. Small requests stay in lasting arenas (ArenaUse).
-  const ArenaUse arenas = small ? ArenaUse::lasting : arenas_now();
+  const bool step = step_arenas();
+  const ArenaUse arenas = step && !small ? ArenaUse::step : ArenaUse::lasting;
   void* p = small ? allocate_small(bytes, stream, tag, arenas, err) : allocate_large(bytes, stream, tag, arenas, err);
   if (trace_) {
     if (p)
-      trace_->line("a %p %zu %d %d %p", p, bytes, static_cast<int>(tag), static_cast<int>(step_arenas()), stream);
+      trace_->line("a %p %zu %d %d %p", p, bytes, static_cast<int>(tag), static_cast<int>(step), stream);
     else
-      trace_->line("o %zu %d %d %p", bytes, static_cast<int>(tag), static_cast<int>(step_arenas()), stream);
+      trace_->line("o %zu %d %d %p", bytes, static_cast<int>(tag), static_cast<int>(step), stream);
   }
   if (!p && err->kind == UM_ERR_OOM) {
     ++stats_.num_ooms;

@@ -180,7 +180,6 @@ class ChunkPool {
   Block* carve(Block* run, size_t offset);
   void take_arena_run(Arena* a);
   void give_arena_run(Arena* a);
-  ArenaUse arenas_now() const { return step_arenas() ? ArenaUse::step : ArenaUse::lasting; }
   FreeSet& free_runs_of(const Arena* a) { return free_runs_[static_cast<int>(a->use)]; }
   FreeSet& free_small_of(Tag tag) { return free_small_[static_cast<int>(tag)]; }
   size_t largest_free_run() const;

@@ -400,7 +400,7 @@ class Runtime:
         unit = self.units[index]
         rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
         call = RerunCall(unit.name, unit.module, forward, held, _trained_parameters(unit.module), self.device,
-                         _unpark, rerunning, self._clean[index], moved_inputs=decision.moves_inputs, called=called)
+                         _unpark, rerunning, self._clean[index], called, moved_inputs=decision.moves_inputs)
         return call if call.takes(len(inputs.watched)) else None
 
     def _checkpointed(self, step: Step, index: int, decision: Decision, forward, called: tuple, held: tuple,

@@ -82,13 +82,13 @@ class RerunCall:
 
     `values` are the call's (args, kwargs) as the rerun reads them; a value may stand in for a
     tensor (an input moved to host memory, see replay._Parked): `resolve` gives the tensor back,
-    the input itself unless `moved_inputs`. `called`, where given, are the arguments the forward
-    itself runs on (the caller's own lists and dicts, which `values` copy). `rerunning` returns the
-    context the rerun runs in (the runtime's marks and checks)."""
+    the input itself unless `moved_inputs`. `called` are the arguments the forward itself runs on
+    (the caller's own lists and dicts, which `values` copy). `rerunning` returns the context the
+    rerun runs in (the runtime's marks and checks)."""
 
     def __init__(self, name: str, module: torch.nn.Module, forward: Callable, values, params: list[torch.Tensor],
                  device: torch.device, resolve: Callable[[Any], Any], rerunning: Callable[[], ContextManager],
-                 clean: set[int], moved_inputs: bool = False, called: tuple | None = None):
+                 clean: set[int], called: tuple, moved_inputs: bool = False):
         """`params`: the unit `module`'s own that require a gradient. `clean`: the unit's graph
         sizes (in nodes) of calls seen to reach nothing beyond their arguments and its parameters;
         a call of another size is looked at, and added if clean."""
@@ -96,7 +96,7 @@ class RerunCall:
         self._forward, self._resolve, self._rerunning = forward, resolve, rerunning
         self._leaves, self._spec = pytree.tree_flatten(values)
         self._first: list | None = [resolve(v) for v in self._leaves]  # the values forward runs on, until it has
-        self._called = called
+        self._called: tuple | None = called  # until the forward has run on them
         self._params = params
         self._rng = _RngState(device)
         self._autocast = _AutocastState(device.type)
@@ -127,8 +127,7 @@ class RerunCall:
     def _first_run(self) -> tuple[torch.Tensor, ...]:
         """The forward, as plain autograd runs it (with gradients on: some kernels are chosen by
         it), but nothing saved: the graph it builds is dropped when the node takes its outputs."""
-        args, kwargs = self._called if self._called is not None else pytree.tree_unflatten(self._first, self._spec)
-        self._called = None  # a moved input's tensor may go once the forward has run
+        (args, kwargs), self._called = self._called, None  # a moved input's tensor may go once it has run
         with torch.autograd.graph.saved_tensors_hooks(_dropped, self._never_read):
             flat, spec = pytree.tree_flatten(self._forward(*args, **kwargs))
         places = [k for k, v in enumerate(flat) if isinstance(v, torch.Tensor)]
