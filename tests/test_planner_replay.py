@@ -290,6 +290,17 @@ def test_bad_arguments_are_refused_before_any_work():
         BlockPlanner(model, "-1GiB")
 
 
+def test_the_copies_back_ahead_of_backward_are_a_sixteenth_of_a_small_budget():
+    model = tiny_bert()
+    windows = {}
+    for budget, window in (("2GiB", None), ("16GiB", None), ("2GiB", "64MiB")):
+        planner = BlockPlanner(model, budget, window=window)
+        windows[budget, window] = planner._runtime.transfers.window
+        planner.remove()
+    MiB = 1 << 20
+    assert windows == {("2GiB", None): 128 * MiB, ("16GiB", None): 512 * MiB, ("2GiB", "64MiB"): 64 * MiB}
+
+
 def test_calibration_times_each_units_backward_on_both_clocks():
     model = tiny_bert(dropout=0.0).float()
     planner = BlockPlanner(model, "1GiB")

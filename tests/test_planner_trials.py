@@ -7,7 +7,7 @@ import torch
 
 from um_alloc.planner import BlockPlanner, Decision
 from um_alloc.planner import director as director_module
-from um_alloc.planner.planning import make_plan
+from um_alloc.planner.planning import checkpointing_plan, evaluate, make_plan
 from um_alloc.planner.trials import ALTERNATIVE_WITHIN, PlanTrials, runners_up
 from test_planner_plan import GiB, MiB, transformer
 from test_planner_replay import tiny_bert
@@ -98,6 +98,41 @@ def test_no_runner_up_where_the_plan_uses_nothing_uncertain_or_none_fits_or_it_i
     assert runners_up(best, lambda allowed: best, DEFAULT) == [best]  # the same plan is not tried twice
 
 
+def test_checkpointings_plan_recomputes_the_fewest_first_blocks_that_fit():
+    cal = transformer(blocks=8)
+    plan = checkpointing_plan(cal, 11 * GiB)
+    k = plan.decisions.count(Decision.RECOMPUTE)
+    assert 0 < k < 8
+    assert plan.decisions == (Decision.KEEP,) + (Decision.RECOMPUTE,) * k + (Decision.KEEP,) * (9 - k)
+    assert plan.predicted_peak_bytes <= plan.limit_bytes
+    one_fewer = tuple(Decision.KEEP if j == k else d for j, d in enumerate(plan.decisions))
+    fewer = evaluate(cal, one_fewer, 11 * GiB)
+    assert fewer.predicted_peak_bytes > fewer.limit_bytes
+    assert set(checkpointing_plan(cal, 40 * GiB).decisions) == {Decision.KEEP}
+
+
+def test_no_checkpointing_plan_where_every_block_recomputed_does_not_fit():
+    cal = transformer(blocks=8, inputs=256 * MiB)
+    every = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
+    tight = evaluate(cal, every, 9 * GiB)
+    assert tight.predicted_peak_bytes > tight.limit_bytes
+    assert make_plan(cal, 9 * GiB).moved_bytes > 0  # a plan that moves inputs fits
+    assert checkpointing_plan(cal, 9 * GiB) is None
+
+
+def test_checkpointings_plan_is_tried_beside_the_best_where_recomputation_is_allowed():
+    cal = transformer(blocks=8)
+    best = make_plan(cal, 11 * GiB)
+    first = replace(checkpointing_plan(cal, 11 * GiB), predicted_step_s=best.predicted_step_s * 1.1)
+    assert first.decisions != best.decisions
+    assert runners_up(best, lambda allowed: None, DEFAULT, first) == [best, first]
+    assert runners_up(best, lambda allowed: None, DEFAULT - {Decision.RECOMPUTE}, first) == [best]
+    assert runners_up(best, lambda allowed: None, DEFAULT, None) == [best]
+    assert runners_up(best, lambda allowed: None, DEFAULT, best) == [best]
+    far = replace(first, predicted_step_s=best.predicted_step_s * (ALTERNATIVE_WITHIN + 0.01))
+    assert runners_up(best, lambda allowed: None, DEFAULT, far) == [best]
+
+
 def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
     """On the CPU every plan keeps everything; the wiring is what is tested: the candidates run
     in turn from the first planned step, the table and to_dict report them, force() ends them."""
@@ -105,7 +140,8 @@ def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
     planner = BlockPlanner(model, "1GiB")
     made = []
 
-    def two_candidates(best, make, allowed):
+    def two_candidates(best, make, allowed, checkpointing):
+        assert checkpointing.decisions.count(Decision.RECOMPUTE) == 0  # 1 GiB holds the tiny model
         other = replace(best, predicted_step_s=best.predicted_step_s * 1.1)
         made.append((best, other))
         return [best, other]
@@ -160,7 +196,7 @@ def test_a_candidate_with_no_clean_interval_is_not_chosen_and_without_any_the_pl
 def test_alternating_inputs_measure_nothing_and_each_keeps_its_plan(monkeypatch):
     model = tiny_bert(dropout=0.0).float()
     planner = BlockPlanner(model, "1GiB")
-    monkeypatch.setattr(director_module, "runners_up", lambda best, make, allowed: [
+    monkeypatch.setattr(director_module, "runners_up", lambda best, make, allowed, checkpointing: [
         best, replace(best, predicted_step_s=best.predicted_step_s * 1.1)])
     generator = torch.Generator().manual_seed(6)
     for step in range(2 * (2 + 2 * 4 + 1)):

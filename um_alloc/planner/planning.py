@@ -36,7 +36,7 @@ import numpy as np
 from ..sizes import format_size, size_text
 
 __all__ = ["Decision", "UnitCost", "Segment", "Calibration", "Plan", "PlanInfeasible", "make_plan",
-           "BLOCK_DECISIONS", "GAP_DECISIONS", "pool_repeats"]
+           "checkpointing_plan", "BLOCK_DECISIONS", "GAP_DECISIONS", "pool_repeats"]
 
 
 class Decision(str, enum.Enum):
@@ -357,6 +357,32 @@ def evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: in
     """The prediction for given decisions (a forced ablation, or a plan to check)."""
     limit = budget_bytes - margin_bytes - cal.fragmentation_bytes - cal.reserved_bytes
     return _evaluate(cal, tuple(decisions), budget_bytes, limit, _link_room(cal, 0.7))
+
+
+def checkpointing_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 << 20) -> Plan | None:
+    """What a user of activation checkpointing would run: the first k blocks recomputed, k the
+    fewest whose predicted peak fits, everything else kept; None where even every block
+    recomputed does not fit (the budget needs moves). Recomputing a block instead of keeping it
+    adds no bytes anywhere, so the peak never rises with k, and k is found by bisection."""
+    reached = [j for j, u in enumerate(cal.units) if u.kind == "block" and u.backward_reaches]
+
+    def first_recomputed(k: int) -> Plan:
+        recomputed = set(reached[:k])
+        decisions = tuple(Decision.RECOMPUTE if j in recomputed else Decision.KEEP for j in range(len(cal.units)))
+        return evaluate(cal, decisions, budget_bytes, margin_bytes=margin_bytes)
+
+    every = first_recomputed(len(reached))
+    if every.predicted_peak_bytes > every.limit_bytes:
+        return None
+    low, high = 0, len(reached)
+    while low < high:  # the fewest k that fits lies in [low, high]
+        middle = (low + high) // 2
+        plan = first_recomputed(middle)
+        if plan.predicted_peak_bytes <= plan.limit_bytes:
+            high = middle
+        else:
+            low = middle + 1
+    return first_recomputed(low)
 
 
 def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, limit: int,

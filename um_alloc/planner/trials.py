@@ -126,17 +126,30 @@ class PlanTrials:
                  "measured_step_s": t.measured_step_s, "kept": t.plan is self.chosen} for t in self.tried]
 
 
-def runners_up(best: Plan, make, allowed: frozenset[Decision]) -> list[Plan]:
+def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Plan | None = None) -> list[Plan]:
     """The candidates beside `best`: for each UNCERTAIN family `best` uses, the plan `make(allowed)`
-    returns without that family (skipped where none fits, where it is `best` again, or where it
-    is predicted more than ALTERNATIVE_WITHIN slower)."""
+    returns without that family; and `checkpointing`, the first blocks recomputed and the rest
+    kept (planning.checkpointing_plan), where recomputation is allowed. Each is skipped where none
+    fits, where it is a plan already listed, or where it is predicted more than ALTERNATIVE_WITHIN
+    slower than `best`.
+
+    Checkpointing's plan is there because what a recomputation adds depends on whether the host or
+    the GPU sets the backward's pace, which the safe step, paced by its own reruns, does not show.
+    On an H200, EfficientNetV2-S's kept step is paced by the host in its last stages and by the
+    GPU in its first: PyTorch recomputing its first 22 of 40 blocks ran 1.06x stock's step, while
+    the plan the model chose (25 blocks recomputed from every stage, each costed at its measured
+    rerun) ran 1.39x (bench/results/zoo_fraction_0.5_vision)."""
     out: list[Plan] = [best]
-    for family in UNCERTAIN:
-        if not family & set(best.decisions):
-            continue
-        alternative = make(allowed - family)
+
+    def offer(alternative: Plan | None) -> None:
         if alternative is None or any(alternative.decisions == p.decisions for p in out):
-            continue
+            return
         if alternative.predicted_step_s <= ALTERNATIVE_WITHIN * best.predicted_step_s:
             out.append(alternative)
+
+    for family in UNCERTAIN:
+        if family & set(best.decisions):
+            offer(make(allowed - family))
+    if Decision.RECOMPUTE in allowed:
+        offer(checkpointing)
     return out
