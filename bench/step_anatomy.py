@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", help="the GPU budget of the um_alloc methods, e.g. 12GiB")
     p.add_argument("--checkpoint-layers", default="all", metavar="K|all",
                    help="the checkpointing methods: the first K layers (default all)")
-    p.add_argument("--steps", type=int, default=26)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=18, help="steps left out of the median (the planner measures "
                    "and tries plans in its first steps)")
     p.add_argument("--force", choices=FORCED, help="planner methods: every block this decision, from the "
