@@ -120,13 +120,14 @@ def test_no_checkpointing_plan_where_every_block_recomputed_does_not_fit():
     assert checkpointing_plan(cal, 9 * GiB) is None
 
 
-def test_checkpointings_plan_is_tried_beside_the_best_where_recomputation_is_allowed():
+def test_checkpointings_plan_is_tried_beside_the_best_where_keeping_and_recomputing_are_allowed():
     cal = transformer(blocks=8)
     best = make_plan(cal, 11 * GiB)
     first = replace(checkpointing_plan(cal, 11 * GiB), predicted_step_s=best.predicted_step_s * 1.1)
     assert first.decisions != best.decisions
     assert runners_up(best, lambda allowed: None, DEFAULT, first) == [best, first]
     assert runners_up(best, lambda allowed: None, DEFAULT - {Decision.RECOMPUTE}, first) == [best]
+    assert runners_up(best, lambda allowed: None, DEFAULT - {Decision.KEEP}, first) == [best]
     assert runners_up(best, lambda allowed: None, DEFAULT, None) == [best]
     assert runners_up(best, lambda allowed: None, DEFAULT, best) == [best]
     far = replace(first, predicted_step_s=best.predicted_step_s * (ALTERNATIVE_WITHIN + 0.01))

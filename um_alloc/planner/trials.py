@@ -129,9 +129,9 @@ class PlanTrials:
 def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Plan | None = None) -> list[Plan]:
     """The candidates beside `best`: for each UNCERTAIN family `best` uses, the plan `make(allowed)`
     returns without that family; and `checkpointing`, the first blocks recomputed and the rest
-    kept (planning.checkpointing_plan), where recomputation is allowed. Each is skipped where none
-    fits, where it is a plan already listed, or where it is predicted more than ALTERNATIVE_WITHIN
-    slower than `best`.
+    kept (planning.checkpointing_plan), where keeping and recomputing are allowed. Each is skipped
+    where none fits, where it is a plan already listed, or where it is predicted more than
+    ALTERNATIVE_WITHIN slower than `best`.
 
     Checkpointing's plan is there because what a recomputation adds depends on whether the host or
     the GPU sets the backward's pace, which the safe step, paced by its own reruns, does not show.
@@ -150,6 +150,6 @@ def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Pl
     for family in UNCERTAIN:
         if family & set(best.decisions):
             offer(make(allowed - family))
-    if Decision.RECOMPUTE in allowed:
+    if {Decision.RECOMPUTE, Decision.KEEP} <= allowed:  # the decisions it is made of
         offer(checkpointing)
     return out
