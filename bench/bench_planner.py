@@ -158,7 +158,9 @@ def _record(name: str, summary, extra: dict, run_id: str, base, budget: int, arg
         plan = summary["planner"].get("plan", {})
         record.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"),
                       planner_measured_step_s=summary["planner"].get("measured_step_s"),
-                      calibration=summary["planner"].get("calibration"))
+                      calibration=summary["planner"].get("calibration"),
+                      # the plans tried in the first steps, each predicted and measured, and which stayed
+                      trials=summary["planner"].get("trials"))
     return record
 
 

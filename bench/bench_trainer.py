@@ -92,7 +92,7 @@ def merged(runs: list[tuple[dict, dict, str]]) -> dict:
     if planner.get("plan"):
         # The calibration too: what a prediction was made from, to read its error from the record.
         figures.update(plan=planner["plan"], predicted_step_s=planner["plan"].get("predicted_step_s"),
-                       calibration=planner.get("calibration"))
+                       calibration=planner.get("calibration"), trials=planner.get("trials"))
     return figures
 
 

@@ -60,3 +60,16 @@ def test_the_plain_loss_method_runs_the_planner_with_the_chunked_loss_off(monkey
     (run,) = ran
     policy = Path(run.train_args[run.train_args.index("--policy") + 1]).read_text()
     assert "lean_loss: false" in policy and "strategy: auto" in policy
+
+
+def test_the_planners_record_holds_its_plan_calibration_and_trials():
+    args = argparse.Namespace(batch=32)
+    planner = {"plan": {"predicted_step_s": 0.17, "decisions": {"keep": 12, "recompute": 15}},
+               "measured_step_s": 0.15, "calibration": {"step_s": 0.25},
+               "trials": [{"decisions": {"keep": 12, "recompute": 15}, "measured_step_s": 0.15, "kept": True}]}
+    summary = {"device": "GPU", "date": "today", "workload": None, "method": "um", "batch": 32,
+               "step_s_median": 0.15, "samples_per_s": 213.3, "loss_first": 9.0, "loss_last": 8.0, "planner": planner}
+    record = bench_planner._record("planner", summary, {}, "planner-1", 256.0, 16 << 30, args)
+    assert record["predicted_step_s"] == 0.17 and record["planner_measured_step_s"] == 0.15
+    assert record["calibration"] == {"step_s": 0.25} and record["trials"] == planner["trials"]
+    assert record["workload"] == "bert-large-mlm-seq512-bf16-b32" and record["budget_bytes"] == 16 << 30

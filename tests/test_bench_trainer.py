@@ -51,13 +51,14 @@ def test_repeated_runs_alternate_and_each_record_holds_their_median(tmp_path, mo
 
 def test_a_failed_run_is_named_and_left_out_of_the_median():
     runs = [({"samples_per_s": 40.0, "step_s_median": 0.2, "plan": {"predicted_step_s": 0.19},
-              "calibration": {"step_s": 0.25}}, {}, "ok"),
+              "calibration": {"step_s": 0.25}, "trials": [{"kept": True}]}, {}, "ok"),
             ({}, {}, "failed: CUDA out of memory"),
             ({"samples_per_s": 44.0, "step_s_median": 0.18}, {}, "ok")]
     figures = bench_trainer.merged(runs)
     assert figures["samples_per_s"] == 42.0 and figures["status"] == "failed: CUDA out of memory"
     assert figures["samples_per_s_runs"] == [40.0, None, 44.0] and figures["predicted_step_s"] == 0.19
     assert figures["calibration"] == {"step_s": 0.25}  # the first good run's, as its plan
+    assert figures["trials"] == [{"kept": True}]
     assert bench_trainer.merged([({}, {}, "failed: timed out")])["samples_per_s"] is None
 
 
