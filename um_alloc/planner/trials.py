@@ -135,10 +135,10 @@ def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Pl
 
     Checkpointing's plan is there because what a recomputation adds depends on whether the host or
     the GPU sets the backward's pace, which the safe step, paced by its own reruns, does not show.
-    On an H200, EfficientNetV2-S's kept step is paced by the host in its last stages and by the
-    GPU in its first: PyTorch recomputing its first 22 of 40 blocks ran 1.06x stock's step, while
-    the plan the model chose (25 blocks recomputed from every stage, each costed at its measured
-    rerun) ran 1.39x (bench/results/zoo_fraction_0.5_vision)."""
+    On an H200, EfficientNetV2-S's safe step took its last stages at the host's pace and its first
+    at the GPU's; PyTorch recomputing its first 22 of 40 blocks ran 1.06x stock's step, while the
+    plan the model chose (25 blocks recomputed from every stage, each costed at its measured rerun)
+    ran 1.39x (bench/results/zoo_fraction_0.5_vision)."""
     out: list[Plan] = [best]
 
     def offer(alternative: Plan | None) -> None:
