@@ -28,8 +28,8 @@ import argparse
 import math
 from pathlib import Path
 
-from harness import (RESULTS, Run, new_run_id, pooled, protocol_record, rate_and_ratio_text, raw_policy,
-                     refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy, write_result)
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, Run, new_run_id, pooled, protocol_record, rate_and_ratio_text,
+                     raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -76,9 +76,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", default="16GiB")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing (the planner "
-                                                          "measures in its first two)")
+    p.add_argument("--steps", type=int, default=PLANNER_SETTLING_STEPS + 12)
+    p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
+                   help="first steps left out of the timing (the planner measures in its first two, then "
+                        "tries up to four plans for four steps each)")
     p.add_argument("--deterministic", action="store_true", help="train.py --deterministic for every method")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1, help="runs of each method, alternated (see above)")

@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
+from harness import PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -163,8 +163,10 @@ def largest_stock_batch(args) -> tuple[int | None, dict | None]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", default="8GiB")
-    p.add_argument("--steps", type=int, default=8, help="steps per run, the planner's two calibration steps included")
-    p.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing")
+    p.add_argument("--steps", type=int, default=PLANNER_SETTLING_STEPS + 8,
+                   help="steps per run, the planner's calibration and trials included")
+    p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
+                   help="first steps left out of the timing (the planner's calibration and trials)")
     p.add_argument("--start", type=int, default=64, help="stock's first batch")
     p.add_argument("--max-batch", type=int, default=1024, help="stock's largest probe")
     p.add_argument("--resolution", type=int, default=16, help="stock's search stops this close to the boundary")

@@ -27,7 +27,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
+from harness import PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
 
 from um_alloc.device_info import device_memory
 from um_alloc.sizes import format_size, parse_size
@@ -127,9 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", default="12GiB")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=1024, help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=6, help="first steps left out of the median (the planner "
-                   "calibrates in the first two)")
+    p.add_argument("--steps", type=int, default=PLANNER_SETTLING_STEPS + 12)
+    p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
+                   help="first steps left out of the median (the planner calibrates in the first two, then "
+                        "tries up to four plans for four steps each)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1, help="runs of each method, alternated")
     p.add_argument("--timeout", type=float, default=300)

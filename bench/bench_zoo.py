@@ -42,8 +42,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import (RESULTS, ROOT, Run, new_run_id, pooled, protocol_record, ratio, raw_policy,
-                     refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy, write_result)
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, ROOT, Run, new_run_id, pooled, protocol_record, ratio,
+                     raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy,
+                     write_result)
 
 from um_alloc.sizes import format_size
 
@@ -246,8 +247,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fractions", default="0.6", help="budgets as fractions of stock's peak, comma-separated")
     p.add_argument("--batch", type=int, help="every model's batch (default: each model's own)")
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=18, help="first steps left out of the median (the planner "
-                   "calibrates in the first two, then tries up to four plans for four steps each)")
+    p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
+                   help="first steps left out of the median (the planner calibrates in the first two, then "
+                        "tries up to four plans for four steps each)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each timed method, alternated (see above)")
     p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
                    "(bench/zoo_train.py --lengths; llama and t5): samples/s is then the mean after --warmup")

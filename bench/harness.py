@@ -38,9 +38,15 @@ if str(ROOT) not in sys.path:
 import yaml  # noqa: E402
 
 from um_alloc.errors import PolicyError  # noqa: E402
+from um_alloc.planner.director import CALIBRATION_STEPS  # noqa: E402
+from um_alloc.planner.trials import MOST_CANDIDATES, STEPS_PER_CANDIDATE  # noqa: E402
 from um_alloc.policy import policy_from_dict, resolve_policy_path  # noqa: E402
 from um_alloc.profile.aggregate import COUNTER_FIELDS  # noqa: E402
 from um_alloc.profile.tables import COUNTER_COLUMNS, write_tables  # noqa: E402
+
+# Steps the block planner takes to measure an input and try its candidate plans: a benchmark
+# leaves them out of its timing, which is then of the plan that stayed.
+PLANNER_SETTLING_STEPS = CALIBRATION_STEPS + MOST_CANDIDATES * STEPS_PER_CANDIDATE
 
 PROTOCOL_FIELDS = ("device", "date", "run_id", "workload", "method", "policy", "batch", "budget_bytes",
                    "step_s_median", "samples_per_s", "ratio_vs_stock", "highwater_bytes", "gpu_page_faults",

@@ -29,7 +29,7 @@ import torch
 
 from .planning import Decision, Plan
 
-__all__ = ["PlanTrials", "UNCERTAIN", "ALTERNATIVE_WITHIN", "STEPS_PER_CANDIDATE"]
+__all__ = ["PlanTrials", "UNCERTAIN", "ALTERNATIVE_WITHIN", "STEPS_PER_CANDIDATE", "MOST_CANDIDATES"]
 
 # The decisions whose cost the model is least sure of, each family tried away as a whole.
 UNCERTAIN = (
@@ -38,6 +38,7 @@ UNCERTAIN = (
 )
 ALTERNATIVE_WITHIN = 1.25    # a runner-up predicted this much slower than the plan, at most, is tried
 STEPS_PER_CANDIDATE = 4      # steps each candidate runs; the last three intervals are measured
+MOST_CANDIDATES = 1 + len(UNCERTAIN) + 1  # the plan, the best without each uncertain family, checkpointing's
 
 
 @dataclass
