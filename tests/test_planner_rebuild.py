@@ -330,3 +330,18 @@ def test_a_step_that_fails_leaves_nothing_of_itself_alive(decision, where):
         assert alive == [], f"{len(alive)} query/key/value tensors of the failed step still alive"
     finally:
         planner.remove()
+
+
+def test_a_large_saves_rebuild_is_compared_a_slice_at_a_time(monkeypatch):
+    """The comparison's temporary is a byte per byte compared: a large saved tensor is compared in
+    slices, and a difference in any of them, the last included, is found."""
+    monkeypatch.setattr(rebuilt_module, "COMPARED_BYTES", 16)
+    saved = torch.arange(40, dtype=torch.float32)        # 160 bytes: ten slices
+    assert not bool(rebuilt_module._differs(saved.clone(), saved))
+    for where in (0, 17, 39):
+        changed = saved.clone()
+        changed[where] += 1
+        assert bool(rebuilt_module._differs(changed, saved))
+    small = torch.arange(3, dtype=torch.float32)          # 12 bytes: one comparison
+    assert not bool(rebuilt_module._differs(small.clone(), small))
+    assert rebuilt_module._differs(saved.view(4, 10), saved.view(10, 4)) is True

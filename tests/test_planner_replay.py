@@ -314,6 +314,36 @@ def test_calibration_times_each_units_backward_on_both_clocks():
     planner.remove()
 
 
+def test_a_probing_step_that_runs_out_of_memory_is_retried_without_its_probes(caplog):
+    """The first step's probes hold a rebuilt copy of a saved tensor: where that step runs out of
+    memory, the retry measures without them, in one step, and its plan neither rebuilds nor
+    recomputes selectively."""
+    failed = []
+
+    def once(module, args):  # the first call of the step that probes runs out of memory
+        if not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("stand-in: the budget is spent")
+
+    model = tiny_bert(dropout=0.0).float()
+    planner = BlockPlanner(model, "1GiB")
+    hook = model.bert.encoder.layer[1].attention.register_forward_pre_hook(once)
+    ids = torch.randint(0, 97, (2, 16))
+    with caplog.at_level("WARNING", logger="um_alloc"), pytest.raises(torch.OutOfMemoryError):
+        model(input_ids=ids, labels=ids).loss.backward()
+    hook.remove()
+    said = [r.getMessage() for r in caplog.records if "safe mode ran out of memory" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("tries once more, without the first step's probes "
+                                               "(which hold a rebuilt copy of a saved tensor).")
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert planner.safe_steps == 2 and planner.plan is not None  # one clean step measured the input
+    shape, = planner._shapes.values()
+    assert not shape.probed and not shape.recipes
+    assert not {Decision.REBUILD, Decision.SELECTIVE} & set(planner.plan.decisions)
+    planner.remove()
+
+
 def test_a_batch_that_runs_out_of_memory_in_calibration_is_refused_and_a_smaller_one_trains(caplog):
     """The safe mode runs out of memory twice for one input shape: the planner refuses that shape,
     naming it, and stays attached; a smaller batch calibrates, plans and trains as a fresh model would."""

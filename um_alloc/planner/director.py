@@ -214,8 +214,10 @@ class BlockPlanner:
             self._note_start(shape.plan)
             return StepSpec(shape.plan.decisions, owner=shape, rebuilds=shape.recipes)
         # The probes of the first step (rebuilds, selective ops) slow it down; only the first input's
-        # plan waits for a clean second step. Another input is measured in one clean step.
-        probes = shape.calibrated == 0 and not any(s.calibration is not None for s in self._shapes.values())
+        # plan waits for a clean second step. Another input is measured in one clean step, and so is
+        # one whose probing step ran out of memory: a probe holds a rebuilt copy of a saved tensor.
+        probes = (shape.calibrated == 0 and shape.failures == 0
+                  and not any(s.calibration is not None for s in self._shapes.values()))
         if shape.calibrated == 0:
             log.info("planner: measuring %s in the safe mode for input %s",
                      f"{CALIBRATION_STEPS} steps" if probes else "one step",
@@ -330,11 +332,15 @@ class BlockPlanner:
             if step.spec.recorder is not None:  # the safe mode itself did not fit
                 owner = step.spec.owner
                 owner.failures += 1
+                retry = "A loop that runs the step again tries once more"
+                if step.spec.count_ops:  # its probes' figures are lost with it; the retry runs without them
+                    owner.probed = False
+                    retry += ", without the first step's probes (which hold a rebuilt copy of a saved tensor)"
                 log.warning("planner: the step measuring input %s in the safe mode ran out of memory under the %s "
                             "budget (%d of 2 tries). The safe mode (every block recomputed, activations in host "
                             "memory) takes the least memory of any plan, so none is likely to fit: %s, or raise "
                             "the budget. %s", _shape_text(owner.signature), format_size(self.budget), owner.failures,
-                            _lighter_hint(), "A loop that runs the step again tries once more." if owner.failures < 2
+                            _lighter_hint(), f"{retry}." if owner.failures < 2
                             else "A loop that runs it again is refused (PlanInfeasible).")
             else:
                 self.on_out_of_memory()
