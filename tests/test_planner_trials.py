@@ -111,6 +111,19 @@ def test_checkpointings_plan_recomputes_the_fewest_first_blocks_that_fit():
     assert set(checkpointing_plan(cal, 40 * GiB).decisions) == {Decision.KEEP}
 
 
+def test_checkpointings_plan_counts_from_the_first_block_backward_reaches():
+    """Frozen first layers (backward never reaches them, nothing is saved for them) stay as they
+    are; the recomputed blocks are the first trained ones, as a user would checkpoint them."""
+    cal = transformer(blocks=8)
+    frozen = tuple(replace(u, recompute_s=0.0) if u.name in ("layer.0", "layer.1") else u for u in cal.units)
+    cal = replace(cal, units=frozen)
+    plan = checkpointing_plan(cal, 11 * GiB)
+    k = plan.decisions.count(Decision.RECOMPUTE)
+    assert k > 0 and plan.decisions[1:3] == (Decision.KEEP, Decision.KEEP)
+    assert plan.decisions[3:3 + k] == (Decision.RECOMPUTE,) * k
+    assert set(plan.decisions[3 + k:]) == {Decision.KEEP}
+
+
 def test_no_checkpointing_plan_where_every_block_recomputed_does_not_fit():
     cal = transformer(blocks=8, inputs=256 * MiB)
     every = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
