@@ -59,6 +59,11 @@ def test_an_infeasible_budget_is_refused_with_the_smallest_that_fits():
     assert smallest == cal.smallest_peak() + 512 * MiB
     assert "smallest budget that fits is" in str(refused.value)
     make_plan(cal, smallest)  # that figure is enough
+    held = replace(cal, fragmentation_bytes=300 * MiB, reserved_bytes=128 * MiB)
+    with pytest.raises(PlanInfeasible) as refused:
+        make_plan(held, 6 * GiB)
+    assert ("940.0 MiB more is needed beside it (512.0 MiB of margin, 300.0 MiB the allocator held beyond "
+            "live bytes as it measured, 128.0 MiB of copy stages)") in str(refused.value)
 
 
 def test_the_budget_an_infeasible_plan_asks_for_is_one_a_user_writes_and_fits():

@@ -340,7 +340,9 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
             f"budget {format_size(budget_bytes)} is too small for this model and batch: even with every "
             f"block recomputed and every movable activation in host memory the step peaks at "
             f"{format_size(floor)} on the GPU, and {format_size(smallest - floor)} more is needed beside it "
-            f"(margin, fragmentation, copy stages); the smallest budget that fits is {format_size(smallest)}: "
+            f"({format_size(margin_bytes)} of margin, {format_size(cal.fragmentation_bytes)} the allocator held "
+            f"beyond live bytes as it measured, {format_size(cal.reserved_bytes)} of copy stages); the smallest "
+            f"budget that fits is {format_size(smallest)}: "
             f"ask for {size_text(_round_up(smallest, BUDGET_GRAIN))} or more", smallest)
     options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale(), COPY_OUT_LEAD_S)
                for u in cal.units]
