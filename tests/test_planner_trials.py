@@ -48,7 +48,9 @@ def test_each_candidate_runs_its_steps_and_the_fastest_measured_stays():
     assert [t.measured_step_s for t in trials.tried] == pytest.approx([0.2, 0.1])
     assert trials.begin_step() is b  # no more marks are taken: the scripted clock has none left
     assert "(kept)" in trials.summary().split("] [")[1]
+    assert trials.summary().startswith("tried [the model's fastest, ")
     assert [t["kept"] for t in trials.to_list()] == [False, True]
+    assert trials.to_list()[0]["made"] == "the model's fastest"
 
 
 def test_a_slow_first_step_alone_does_not_lose_the_trial():
@@ -83,6 +85,7 @@ def test_a_plan_that_rebuilds_is_tried_against_the_best_without_rebuilds():
     assert asked[0] == DEFAULT - {Decision.REBUILD}
     assert candidates[0] is best and len(candidates) >= 2
     assert Decision.REBUILD not in candidates[1].decisions
+    assert (best.made, candidates[1].made) == ("the model's fastest", "the model's fastest without rebuilds")
     assert candidates[1].predicted_peak_bytes <= candidates[1].limit_bytes
 
 
@@ -104,6 +107,7 @@ def test_checkpointings_plan_recomputes_the_fewest_first_blocks_that_fit():
     k = plan.decisions.count(Decision.RECOMPUTE)
     assert 0 < k < 8
     assert plan.decisions == (Decision.KEEP,) + (Decision.RECOMPUTE,) * k + (Decision.KEEP,) * (9 - k)
+    assert plan.made == f"checkpointing's: the first {k} blocks recomputed" and plan.to_dict()["made"] == plan.made
     assert plan.predicted_peak_bytes <= plan.limit_bytes
     one_fewer = tuple(Decision.KEEP if j == k else d for j, d in enumerate(plan.decisions))
     fewer = evaluate(cal, one_fewer, 11 * GiB)

@@ -397,7 +397,7 @@ class BlockPlanner:
         if len(candidates) > 1:
             shape.trials = PlanTrials(candidates, self.device)
             log.info("planner: trying %d plans for %d steps each, the fastest stays: %s", len(candidates),
-                     shape.trials.steps, "; ".join(p.table().splitlines()[-1] for p in candidates[1:]))
+                     shape.trials.steps, "; ".join(f"{p.made}: {p.table().splitlines()[-1]}" for p in candidates[1:]))
 
     def _make(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
         if self.strategy == "checkpoint":

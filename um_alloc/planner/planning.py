@@ -290,6 +290,7 @@ class Plan:
     predicted_peak_bytes: int
     moved_bytes: int
     costs: tuple[float, ...] = ()  # seconds each decision adds: recomputation and waits for the link
+    made: str = "the model's fastest"  # how it was chosen: what the trials' lines call it
 
     def rows(self) -> list[dict]:
         costs = self.costs or tuple(u.cost_s(d) for u, d in zip(self.units, self.decisions))
@@ -304,7 +305,7 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+        return {"made": self.made, "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
                 "predicted_step_s": self.predicted_step_s, "predicted_peak_bytes": self.predicted_peak_bytes,
                 "moved_bytes": self.moved_bytes, "decisions": self.counts(), "units": self.rows()}
 
@@ -371,7 +372,8 @@ def checkpointing_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int
     def first_recomputed(k: int) -> Plan:
         recomputed = set(reached[:k])
         decisions = tuple(Decision.RECOMPUTE if j in recomputed else Decision.KEEP for j in range(len(cal.units)))
-        return evaluate(cal, decisions, budget_bytes, margin_bytes=margin_bytes)
+        return replace(evaluate(cal, decisions, budget_bytes, margin_bytes=margin_bytes),
+                       made=f"checkpointing's: the first {k} blocks recomputed")
 
     every = first_recomputed(len(reached))
     if every.predicted_peak_bytes > every.limit_bytes:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,7 @@ UNCERTAIN = (
 ALTERNATIVE_WITHIN = 1.25    # a runner-up predicted this much slower than the plan, at most, is tried
 STEPS_PER_CANDIDATE = 4      # steps each candidate runs; the last three intervals are measured
 MOST_CANDIDATES = 1 + len(UNCERTAIN) + 1  # the plan, the best without each uncertain family, checkpointing's
+FAMILY_NAMES = dict(zip(UNCERTAIN, ("rebuilds", "moves")))
 
 
 @dataclass
@@ -119,11 +120,12 @@ class PlanTrials:
             counts = ", ".join(f"{n} {k}" for k, n in t.plan.counts().items())
             measured = "not measured" if t.measured_step_s is None else f"measured {1e3 * t.measured_step_s:.1f} ms"
             kept = " (kept)" if t.plan is self.chosen else ""
-            parts.append(f"[{counts}: predicted {1e3 * t.plan.predicted_step_s:.1f} ms, {measured}{kept}]")
+            parts.append(f"[{t.plan.made}, {counts}: predicted {1e3 * t.plan.predicted_step_s:.1f} ms, "
+                         f"{measured}{kept}]")
         return "tried " + " ".join(parts)
 
     def to_list(self) -> list[dict]:
-        return [{"decisions": t.plan.counts(), "predicted_step_s": t.plan.predicted_step_s,
+        return [{"made": t.plan.made, "decisions": t.plan.counts(), "predicted_step_s": t.plan.predicted_step_s,
                  "measured_step_s": t.measured_step_s, "kept": t.plan is self.chosen} for t in self.tried]
 
 
@@ -150,7 +152,9 @@ def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Pl
 
     for family in UNCERTAIN:
         if family & set(best.decisions):
-            offer(make(allowed - family))
+            alternative = make(allowed - family)
+            if alternative is not None:
+                offer(replace(alternative, made=f"the model's fastest without {FAMILY_NAMES[family]}"))
     if {Decision.RECOMPUTE, Decision.KEEP} <= allowed:  # the decisions it is made of
         offer(checkpointing)
     return out
