@@ -31,15 +31,14 @@ from .planning import Decision, Plan
 
 __all__ = ["PlanTrials", "UNCERTAIN", "ALTERNATIVE_WITHIN", "STEPS_PER_CANDIDATE", "MOST_CANDIDATES"]
 
-# The decisions whose cost the model is least sure of, each family tried away as a whole.
-UNCERTAIN = (
-    frozenset({Decision.REBUILD}),
-    frozenset({Decision.MOVE, Decision.RECOMPUTE_MOVED, Decision.SELECTIVE_MOVED}),
-)
+# The decisions whose cost the model is least sure of, each family tried away as a whole, by name.
+UNCERTAIN = {
+    "rebuilds": frozenset({Decision.REBUILD}),
+    "moves": frozenset({Decision.MOVE, Decision.RECOMPUTE_MOVED, Decision.SELECTIVE_MOVED}),
+}
 ALTERNATIVE_WITHIN = 1.25    # a runner-up predicted this much slower than the plan, at most, is tried
 STEPS_PER_CANDIDATE = 4      # steps each candidate runs; the last three intervals are measured
 MOST_CANDIDATES = 1 + len(UNCERTAIN) + 1  # the plan, the best without each uncertain family, checkpointing's
-FAMILY_NAMES = dict(zip(UNCERTAIN, ("rebuilds", "moves")))
 
 
 @dataclass
@@ -150,11 +149,11 @@ def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Pl
         if alternative.predicted_step_s <= ALTERNATIVE_WITHIN * best.predicted_step_s:
             out.append(alternative)
 
-    for family in UNCERTAIN:
+    for name, family in UNCERTAIN.items():
         if family & set(best.decisions):
             alternative = make(allowed - family)
             if alternative is not None:
-                offer(replace(alternative, made=f"the model's fastest without {FAMILY_NAMES[family]}"))
+                offer(replace(alternative, made=f"the model's fastest without {name}"))
     if {Decision.RECOMPUTE, Decision.KEEP} <= allowed:  # the decisions it is made of
         offer(checkpointing)
     return out
