@@ -180,7 +180,7 @@ def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
     assert [t["kept"] for t in trials].count(True) == 1
     assert all(t["measured_step_s"] > 0 for t in trials)
     planner.force("keep")
-    assert "trials" not in planner.to_dict()
+    assert "trials" not in planner.to_dict() and planner.to_dict()["plan"]["made"] == "forced"
     planner.remove()
 
 

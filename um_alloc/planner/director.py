@@ -402,7 +402,8 @@ class BlockPlanner:
     def _make(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
         if self.strategy == "checkpoint":
             forced = tuple(Decision.RECOMPUTE if u.kind == "block" else Decision.KEEP for u in cal.units)
-            made = evaluate(cal, forced, self.budget, margin_bytes=self.margin)
+            made = replace(evaluate(cal, forced, self.budget, margin_bytes=self.margin),
+                           made="every block recomputed (strategy: checkpoint)")
         else:
             made = self._best(cal, allowed)
         log.info("planner: %s", made.table().splitlines()[-1])
@@ -446,7 +447,8 @@ class BlockPlanner:
         if isinstance(decisions, (str, Decision)):
             every = _decision(decisions, BLOCK_DECISIONS)
             decisions = [every if u.kind == "block" else Decision.KEEP for u in units]
-        forced = evaluate(shape.calibration, _forced(decisions, units), self.budget, margin_bytes=self.margin)
+        forced = replace(evaluate(shape.calibration, _forced(decisions, units), self.budget, margin_bytes=self.margin),
+                         made="forced")
         if forced.predicted_peak_bytes > forced.limit_bytes:
             raise ValueError(f"BlockPlanner.force: these decisions are predicted to peak at "
                              f"{format_size(forced.predicted_peak_bytes)}, over the {format_size(forced.limit_bytes)} "

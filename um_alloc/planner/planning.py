@@ -290,7 +290,7 @@ class Plan:
     predicted_peak_bytes: int
     moved_bytes: int
     costs: tuple[float, ...] = ()  # seconds each decision adds: recomputation and waits for the link
-    made: str = "the model's fastest"  # how it was chosen: what the trials' lines call it
+    made: str = "given decisions"  # how it was chosen: what the trials' lines and to_dict() call it
 
     def rows(self) -> list[dict]:
         costs = self.costs or tuple(u.cost_s(d) for u, d in zip(self.units, self.decisions))
@@ -352,7 +352,7 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
     grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
     choice = _cheapest(cal, options, limit, grid)
     decisions = tuple(options[j][i][0] for j, i in enumerate(choice))
-    return _evaluate(cal, decisions, budget_bytes, limit, link_room)
+    return replace(_evaluate(cal, decisions, budget_bytes, limit, link_room), made="the model's fastest")
 
 
 def evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, *,
