@@ -95,7 +95,8 @@ class RerunCall:
         self._name, self._module, self._moved_inputs, self._clean = name, module, moved_inputs, clean
         self._forward, self._resolve, self._rerunning = forward, resolve, rerunning
         self._leaves, self._spec = pytree.tree_flatten(values)
-        self._first: list | None = [resolve(v) for v in self._leaves]  # the values forward runs on, until it has
+        # The call's tensors the node takes (a moved input's own, until the node has it).
+        self._tensors: list | None = [t for t in map(resolve, self._leaves) if isinstance(t, torch.Tensor)]
         self._called: tuple | None = called  # until the forward has run on them
         self._params = params
         self._rng = _RngState(device)
@@ -106,18 +107,17 @@ class RerunCall:
     def takes(self, tensors: int) -> bool:
         """Whether the node takes all of the call's `tensors` tensors other than parameters (as
         tensor_trees counts them): none hidden in an object torch.utils._pytree does not open."""
-        taken = sum(isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) for v in self._first)
-        return taken == tensors
+        return sum(not isinstance(t, torch.nn.Parameter) for t in self._tensors) == tensors
 
     def __call__(self):
         """The call's output, from the node: tensors in the places of the forward's own."""
-        tensors = [t for t in self._first if isinstance(t, torch.Tensor)]
+        tensors = self._tensors
         since = graph_clock()
         made = self._first_run()
         self._params = self._params + self._borrowed(made, tensors, since, graph_clock())
         with torch.autograd.graph.saved_tensors_hooks(_same, _same):  # the carrier itself, whatever else hooks
             outs = _Rerun.apply(_carrier(self), *tensors, *self._params)
-        self._first = None  # an input that moves to host memory next is held by nothing here
+        self._tensors = None  # an input that moves to host memory next is held by nothing here
         leaves, spec, places = self._outputs
         leaves = list(leaves)
         for place, tensor in zip(places, outs):
