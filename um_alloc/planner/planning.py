@@ -345,8 +345,8 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
             f"beyond live bytes as it measured, {format_size(cal.reserved_bytes)} of copy stages); the smallest "
             f"budget that fits is {format_size(smallest)}: "
             f"ask for {size_text(_round_up(smallest, BUDGET_GRAIN))} or more", smallest)
-    options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, cal.hide_scale(), COPY_OUT_LEAD_S)
-               for u in cal.units]
+    scale = cal.hide_scale()
+    options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, scale, COPY_OUT_LEAD_S) for u in cal.units]
     link_room = _link_room(cal, hide_fraction)
     lowest = min((s.peak_bytes - s.ahead_bytes for s in cal.segments), default=0)  # where a prefix has the most room
     grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
