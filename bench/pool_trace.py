@@ -97,6 +97,9 @@ class Replay:
     def _event_b(self, budget, min_swap, enabled, evict_live):
         self.lib.um_pool_set_budget(self.pool, int(budget), int(min_swap), int(enabled), int(evict_live))
 
+    def _event_O(self, limit):
+        self.lib.um_pool_set_overflow(self.pool, int(limit))
+
     def _event_s(self, on):
         self.lib.um_pool_set_step_arenas(self.pool, int(on))
         if int(on):  # a step's forward begins: the last one ends here, its optimizer's work included

@@ -151,6 +151,9 @@ void um_pool_device_held(um_pool* pool, uint64_t* held, uint64_t* peak) {
 
 void um_pool_reset_device_peak(um_pool* pool) { pool->pool->reset_device_peak(); }
 
+void um_pool_set_overflow(um_pool* pool, size_t bytes) { pool->pool->set_overflow(bytes); }
+uint64_t um_pool_take_overflow_peak(um_pool* pool) { return pool->pool->take_overflow_peak(); }
+
 void um_pool_set_step_arenas(um_pool* pool, int on) { pool->pool->set_step_arenas(on != 0); }
 int um_pool_step_arenas(um_pool* pool) { return pool->pool->step_arenas() ? 1 : 0; }
 

@@ -6,7 +6,9 @@
 namespace um {
 namespace {
 
-constexpr size_t kSmallAlignment = 512;  // as PyTorch's caching allocator: keeps vector loads aligned
+constexpr size_t kSmallAlignment = 512;
+// What an overflowed run carries: host memory the GPU maps, as a host-mapped tag's (spill.py).
+constexpr Advice kHostMapped{Location::cpu, false, true, false};  // as PyTorch's caching allocator: keeps vector loads aligned
 
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
@@ -126,10 +128,12 @@ void* ChunkPool::allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse a
 
 // A run of whole chunks for `tag`, ordered after its previous users and carrying the tag's hints.
 // A host-mapped tag's chunks live in host memory (the GPU reads and writes them over the link),
-// so they never count against the budget; every other run is made room for first.
+// so they never count against the budget; every other run is made room for first, and where the
+// hard budget refuses it, a step's large request may overflow to host memory (set_overflow).
 Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, ArenaUse arenas,
                                  AllocError* err) {
-  Block* b = find_run(rounded, tag, stream, arenas);
+  bool on_gpu = !host_mapped(tag);
+  Block* b = find_run(rounded, !on_gpu, stream, arenas);
   if (!b) b = grow(rounded, arenas);
   // Cached arenas may hold the cap while no free run fits: return them and try once more.
   if (!b && release_free_arenas() > 0) b = grow(rounded, arenas);
@@ -137,21 +141,25 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
     err->kind = UM_ERR_OOM;  // allocate() writes the message, with the size the caller asked for
     return nullptr;
   }
-  const bool on_gpu = !host_mapped(tag);
   auto room = [&](Block* run) {
     const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
     return !on_gpu || make_room(run->arena, first, first + rounded / config_.chunk_size, stream);
   };
+  bool overflow = false;
   if (!room(b)) {
     // Before failing, the other arenas' free runs: backed memory of one use serves the other when
     // the budget leaves no new backing (an optimizer's temporaries in the step's freed activations,
     // while the step's gradients keep its arena).
     const ArenaUse other = arenas == ArenaUse::step ? ArenaUse::lasting : ArenaUse::step;
-    b = find_run(rounded, tag, stream, other);
+    b = find_run(rounded, false, stream, other);
     if (!b || !room(b)) {
-      err->kind = UM_ERR_OOM;
-      err->over_budget = true;
-      return nullptr;
+      b = overflow_run(rounded, stream, use, arenas);
+      if (!b) {
+        err->kind = UM_ERR_OOM;
+        err->over_budget = true;
+        return nullptr;
+      }
+      overflow = true, on_gpu = false;
     }
   }
   free_runs_of(b->arena).erase(b);
@@ -160,13 +168,28 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
   order_for_reuse(b, stream);
   b->allocated = true;
   b->tag = tag;
+  b->overflow = overflow;
   claim_chunks(b, tag, use);
-  apply_tag(b, tag, stream);
+  if (overflow) {  // the tag's own hints would bring its pages to the GPU
+    const size_t first = chunk_index(b->arena, b->ptr, config_.chunk_size);
+    advise_chunks(b->arena, first, first + rounded / config_.chunk_size, kHostMapped);
+  } else {
+    apply_tag(b, tag, stream);
+  }
   if (on_gpu)
     mark_resident(b);  // PyTorch hands it to GPU kernels: its pages will be on the GPU
   else
     send_to_host(b, stream);
   return b;
+}
+
+// A free run to hold in host memory a large step request the hard budget refused: chunks the GPU
+// has not backed, so none is backed anew. nullptr where overflow is off or would pass its limit.
+Block* ChunkPool::overflow_run(size_t rounded, Stream stream, ChunkUse use, ArenaUse arenas) {
+  if (!hard_budget() || use != ChunkUse::large || arenas != ArenaUse::step) return nullptr;
+  if (stats_.overflow_bytes + rounded > overflow_limit_) return nullptr;
+  Block* b = find_run(rounded, true, stream, arenas);  // chunks never backed, or new address space
+  return b ? b : grow(rounded, arenas);
 }
 
 // Best fit, with two exceptions among the next few fits. Under a budget, only a run whose first
@@ -177,12 +200,12 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
 // one up to twice the request: the kernel that takes it then need not wait for, say, the copy of
 // an offloaded activation (PyTorch's caching allocator, too, reuses only blocks whose events are
 // done). Twice at most, so that waiting is preferred to cutting up large runs.
-Block* ChunkPool::find_run(size_t rounded, Tag tag, Stream stream, ArenaUse use) {
+Block* ChunkPool::find_run(size_t rounded, bool for_host, Stream stream, ArenaUse use) {
   FreeSet& runs = free_runs_[static_cast<int>(use)];
   Block* best = find_fit(runs, rounded);
   if (!best) return nullptr;
   const bool placed = budget_.budget && budget_.enabled;
-  const bool for_host = host_mapped(tag), backing = hard_budget();
+  const bool backing = hard_budget();
   auto suits = [&](const ChunkState& c) {
     if (for_host) return !c.gpu_backed;
     return backing ? c.gpu_backed : c.residency == Residency::gpu;
@@ -383,6 +406,19 @@ void ChunkPool::prefetch_chunks(Arena* a, size_t first, size_t end, Stream strea
   }
 }
 
+void ChunkPool::set_overflow(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (trace_) trace_->line("O %zu", bytes);
+  overflow_limit_ = bytes;
+}
+
+uint64_t ChunkPool::take_overflow_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t peak = overflow_peak_;
+  overflow_peak_ = stats_.overflow_bytes;
+  return peak;
+}
+
 void ChunkPool::set_step_arenas(bool on) {
   step_arenas_.store(on, std::memory_order_relaxed);
   if (trace_) {
@@ -543,8 +579,9 @@ bool ChunkPool::retag_locked(const void* ptr, Tag tag, Stream stream) {
   if (b->tag == tag) return true;
   move_accounting(b, tag);
   b->tag = tag;
-  // A small block shares its chunk's hints with its neighbours, so only its accounting moves.
-  if (!b->container) {
+  // A small block shares its chunk's hints with its neighbours, and an overflowed one stays in host
+  // memory (the budget refused it), so only their accounting moves.
+  if (!b->container && !b->overflow) {
     claim_chunks(b, tag, ChunkUse::large);
     apply_tag(b, tag, stream);
     if (host_mapped(tag)) send_to_host(b, stream);
@@ -592,6 +629,12 @@ void ChunkPool::count_live(Block* b, int sign) {
     ++(small ? stats_.small_blocks : stats_.large_blocks);
     b->device_live = !host_mapped(b->tag);
     if (b->device_live) add_device_live(b->requested);
+    if (b->overflow) {
+      ++stats_.overflow_allocations;
+      stats_.overflow_bytes += b->size;
+      stats_.peak_overflow_bytes = std::max(stats_.peak_overflow_bytes, stats_.overflow_bytes);
+      overflow_peak_ = std::max(overflow_peak_, stats_.overflow_bytes);
+    }
   } else {
     stats_.live_bytes[t] -= b->requested;
     stats_.live_bytes_total -= b->requested;
@@ -600,6 +643,8 @@ void ChunkPool::count_live(Block* b, int sign) {
     --(small ? stats_.small_blocks : stats_.large_blocks);
     if (b->device_live) device_live_.live -= b->requested;
     b->device_live = false;
+    if (b->overflow) stats_.overflow_bytes -= b->size;
+    b->overflow = false;
   }
 }
 
@@ -668,10 +713,14 @@ size_t ChunkPool::largest_free_run() const {
 std::string ChunkPool::oom_message(size_t bytes, Tag tag, bool over_budget) const {
   std::string m = "um_alloc: out of memory: tried to allocate " + format_bytes(bytes) + " (tag " +
                   tag_name(tag) + "); ";
-  if (over_budget)
+  if (over_budget) {
     m += "GPU-backed memory " + format_bytes(stats_.backed_bytes) + " + this request would pass the " +
          format_bytes(budget_.budget) + " budget (scheduler.budget, evict_live: false; wholly free arenas " +
          "already returned); reserved " + format_bytes(stats_.reserved_bytes);
+    if (overflow_limit_)
+      m += "; in host memory already, overflowed from this step: " + format_bytes(stats_.overflow_bytes) + " of " +
+           format_bytes(overflow_limit_) + " allowed";
+  }
   else
     m += "reserved " + format_bytes(stats_.reserved_bytes) + " of a " + format_bytes(config_.max_reserved) +
          " limit (pool.max_reserved)";

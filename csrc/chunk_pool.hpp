@@ -109,6 +109,7 @@ struct Block {
   bool allocated = false;
   bool is_container = false;  // a chunk holding small blocks
   bool device_live = false;   // counted in device_live_: allocated under a tag that is not host-mapped
+  bool overflow = false;      // in host memory the GPU maps, where the hard budget refused it (set_overflow)
   StreamSet streams;
 };
 
@@ -164,6 +165,12 @@ class ChunkPool {
   void set_tag_policy(Tag tag, const TagPolicy& policy);
   void set_budget(const BudgetConfig& budget);
   BudgetConfig budget() const;
+  // Up to `bytes` of a step's large requests that a hard budget refuses go to host memory the GPU
+  // maps instead of failing (0: none, the default): a step whose plan misjudged its peak runs
+  // slower, over the link, rather than ending. Step arenas only: what outlasts a step never does.
+  void set_overflow(size_t bytes);
+  // The peak of overflowed bytes live at once since the last call; the next call starts from now.
+  uint64_t take_overflow_peak();
   // On: runs taken from here on come from step arenas (see ArenaUse); off: from lasting ones.
   void set_step_arenas(bool on);
   bool step_arenas() const { return step_arenas_.load(std::memory_order_relaxed); }
@@ -173,9 +180,10 @@ class ChunkPool {
   void* allocate_large(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err);
   void* allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err);
   Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, ArenaUse arenas, AllocError* err);
+  Block* overflow_run(size_t rounded, Stream stream, ChunkUse use, ArenaUse arenas);
   Block* grow(size_t rounded, ArenaUse use);
   Block* find_fit(FreeSet& set, size_t size);
-  Block* find_run(size_t rounded, Tag tag, Stream stream, ArenaUse use);
+  Block* find_run(size_t rounded, bool for_host, Stream stream, ArenaUse use);
   Block* fewest_unbacked(FreeSet& runs, Block* best, size_t rounded);
   Block* carve(Block* run, size_t offset);
   void take_arena_run(Arena* a);
@@ -237,6 +245,8 @@ class ChunkPool {
   std::string backend_error_;
   std::unique_ptr<PoolTrace> trace_;  // UM_POOL_TRACE's record of the calls below; null: none
   BudgetConfig budget_;
+  size_t overflow_limit_ = 0;      // set_overflow
+  uint64_t overflow_peak_ = 0;     // take_overflow_peak's, since its last call
   uint64_t tick_ = 0;
   uint64_t mark_seq_ = 0;  // numbers the points mark_freed records
 };

@@ -56,6 +56,9 @@ typedef struct {
    * GPU memory for such a range until cudaFree even after its pages leave (measured), so this,
    * not residency, is what NVML's used memory follows; a hard budget (evict_live=0) bounds it. */
   uint64_t backed_bytes, peak_backed_bytes;
+  /* A step's large requests the hard budget refused that went to host memory the GPU maps
+   * (um_pool_set_overflow): how many, the bytes live now, and their peak. */
+  uint64_t overflow_allocations, overflow_bytes, peak_overflow_bytes;
 } um_stats;
 
 /* Pools. A host pool runs the same placement logic over host mappings, for tests. */
@@ -87,6 +90,12 @@ void um_pool_device_backed(um_pool* pool, uint64_t* backed, uint64_t* peak);
  * cannot give back, and their peak since the same reset. */
 void um_pool_device_held(um_pool* pool, uint64_t* held, uint64_t* peak);
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
+/* Under a hard budget, up to `bytes` of large requests made while step arenas are on, which the
+ * budget would refuse, are placed in host memory the GPU maps instead (0: none, the default): the
+ * step runs slower, over the link, instead of failing. um_pool_take_overflow_peak returns the most
+ * such bytes live at once since its last call. */
+void um_pool_set_overflow(um_pool* pool, size_t bytes);
+uint64_t um_pool_take_overflow_peak(um_pool* pool);
 /* on=1: chunk runs taken from now on come from the pool's step arenas, apart from those of data
  * that outlasts a training step (on=0, the default), so that between steps the step arenas are
  * wholly free and um_pool_empty_cache returns them with their GPU memory. */

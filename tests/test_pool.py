@@ -755,3 +755,65 @@ def test_host_mapped_data_the_cap_keeps_from_new_space_takes_the_best_fit_not_th
     pool.free(backed)  # free runs: chunks 0-3, all backed, and 5-7 (the best fit), only 5 backed
     pool.free(partly)
     assert pool.malloc(4 * MiB, tag="optimizer_state") == partly  # not the wholly backed run
+
+
+def test_a_step_request_the_hard_budget_refuses_overflows_to_host_memory_within_its_limit(make_pool):
+    """A planned step whose peak was misjudged: its large requests past the budget go to host
+    memory the GPU maps, up to the overflow limit, and leave the budget as it was."""
+    import torch
+
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_overflow(6 * MiB)
+    pool.set_step_arenas(True)
+    pool.reset_device_peak()
+    kept = pool.malloc(8 * MiB)  # the budget, all of it
+    over = pool.malloc(4 * MiB)
+    info = pool.block_at(over)
+    assert info.residency == "host" and info.tag == "activation"
+    s = pool.raw_stats()
+    assert (s["backed_bytes"], s["overflow_allocations"], s["overflow_bytes"], s["num_ooms"]) == (8 * MiB, 1, 4 * MiB, 0)
+    assert pool.device_live() == (12 * MiB, 12 * MiB)  # what the step asked the GPU for
+    assert pool.migrate(over, to_gpu=True) == 0  # it stays where the budget put it
+    with pytest.raises(torch.OutOfMemoryError, match=r"overflowed from this step: 4\.00 MiB of 6\.00 MiB allowed"):
+        pool.malloc(4 * MiB)  # 4 + 4 would pass the 6 MiB limit
+    pool.free(over)
+    assert pool.raw_stats()["overflow_bytes"] == 0 and pool.take_overflow_peak() == 4 * MiB
+    assert pool.take_overflow_peak() == 0  # each call starts over
+    pool.free(kept)
+    assert pool.raw_stats()["peak_backed_bytes"] == 8 * MiB
+
+
+def test_overflow_is_for_a_steps_large_requests_only(make_pool):
+    """What outlasts a step (lasting arenas: optimizer state, small requests) never overflows, and
+    neither does anything where overflow is off (the default)."""
+    import torch
+
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(4 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.malloc(4 * MiB)  # the budget, in a lasting arena
+    pool.set_step_arenas(True)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.malloc(2 * MiB)  # overflow off
+    pool.set_overflow(64 * MiB)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.malloc(1024)  # small: lasting arenas
+    pool.set_step_arenas(False)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.malloc(2 * MiB)  # between steps
+    assert pool.raw_stats()["overflow_allocations"] == 0
+
+
+def test_an_overflowed_run_freed_serves_gpu_data_again_within_the_budget(make_pool):
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_overflow(8 * MiB)
+    pool.set_step_arenas(True)
+    kept = pool.malloc(8 * MiB)
+    over = pool.malloc(4 * MiB)
+    pool.retag(over, "other")  # a retag moves its accounting, not its pages
+    assert pool.block_at(over).residency == "host" and pool.raw_stats()["backed_bytes"] == 8 * MiB
+    pool.free(kept)
+    pool.free(over)
+    again = pool.malloc(8 * MiB)  # the budget's own backed run, on the GPU
+    assert pool.block_at(again).residency == "gpu" and pool.raw_stats()["backed_bytes"] == 8 * MiB

@@ -61,6 +61,8 @@ _SIGNATURES = {
     "um_pool_device_backed": (None, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
     "um_pool_device_held": (None, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
     "um_pool_set_tag_policy": (_I, [_P, _I, TagPolicyC]),
+    "um_pool_set_overflow": (None, [_P, _SZ]),
+    "um_pool_take_overflow_peak": (ctypes.c_uint64, [_P]),
     "um_pool_set_step_arenas": (None, [_P, _I]),
     "um_pool_step_arenas": (_I, [_P]),
     "um_pool_backend_error": (ctypes.c_char_p, [_P]),

@@ -176,6 +176,17 @@ class ChunkPool:
         """Starts device_live()'s, device_backed()'s and device_held()'s peaks over from the bytes now."""
         self._lib.um_pool_reset_device_peak(self._handle)
 
+    def set_overflow(self, nbytes: int) -> None:
+        """Under a hard budget, up to `nbytes` of large requests made while step arenas are on,
+        which the budget would refuse, go to host memory the GPU maps instead of failing (0, the
+        default: none). The step runs slower, its kernels reaching those bytes over the link, and
+        the budget holds. raw_stats() counts them (overflow_allocations, overflow_bytes)."""
+        self._lib.um_pool_set_overflow(self._handle, nbytes)
+
+    def take_overflow_peak(self) -> int:
+        """The most overflowed bytes live at once since the last call (whole chunks)."""
+        return self._lib.um_pool_take_overflow_peak(self._handle)
+
     def set_step_arenas(self, on: bool) -> None:
         """On: what is allocated from now on comes from the pool's step arenas, apart from data
         that outlasts a training step (parameters, optimizer state: allocated while it is off).

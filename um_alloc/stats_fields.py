@@ -41,6 +41,7 @@ FIELDS: tuple[Field, ...] = (
     _total("peak_resident_bytes"), _total("budget_bytes"), _total("min_swap_size"), _total("evictions"),
     _total("evicted_bytes"), _total("over_budget_allocations"),
     _total("backed_bytes", "gpu_backed_bytes"), _total("peak_backed_bytes", "peak_gpu_backed_bytes"),
+    _total("overflow_allocations"), _total("overflow_bytes"), _total("peak_overflow_bytes"),
 )
 PER_TAG = tuple(f for f in FIELDS if f.per_tag)
 TOTALS = tuple(f for f in FIELDS if not f.per_tag)
