@@ -89,6 +89,15 @@ def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):
     assert len(result["losses"]) == 6 and all(math.isfinite(x) for x in result["losses"])
 
 
+def test_a_planned_step_that_needs_more_than_the_budget_overflows_to_host_memory_and_trains(cuda_device):
+    result = _check("overflow")
+    assert result["over_host"] and result["over_ok"]  # kernels wrote and read the overflowed bytes
+    assert result["planned"] == result["plain"]
+    assert result["overflowed_steps"] == 1 and result["overflow_allocations"] >= 1 and result["num_ooms"] == 0
+    assert result["margin_after"] - result["margin_before"] == result["over_bytes"] + (64 << 20)  # and slack
+    assert result["peak_gpu_backed_bytes"] <= result["budget_bytes"]
+
+
 def test_large_batch_policy_plans_with_host_optimizer_state_and_a_spilled_head(cuda_device):
     result = _check("large_batch")
     assert result["planned"] == result["plain"]

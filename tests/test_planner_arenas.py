@@ -12,6 +12,14 @@ class RecordedArenas:
 
     def __init__(self):
         self.events = []
+        self.overflowed = 0  # what the next overflow_peak() reports
+
+    def allow_overflow(self, nbytes: int):
+        self.events.append(("overflow", nbytes))
+
+    def overflow_peak(self) -> int:
+        peak, self.overflowed = self.overflowed, 0
+        return peak
 
     def open(self):
         self.events.append("open")
@@ -72,6 +80,7 @@ def test_arenas_are_given_back_before_safe_steps_the_first_plan_and_a_retry():
     for _ in range(2):  # the retry with less kept, then the next step
         train_step(model, optimizer, ids, closed)
     assert steps(model._recorded.events) == [True, True, True, False, False, True, False]
+    assert planner.overflowed_steps == 0
     planner.remove()
     assert model._recorded.events[-1] == "close"
 
@@ -82,3 +91,38 @@ def test_the_blas_warm_up_runs_a_backward_even_where_gradients_are_off():
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         _warm_up_blas(torch.device("cpu"))
+
+
+def test_a_planned_step_that_overflowed_makes_the_next_plan_keep_that_much_less(caplog):
+    """Only planned steps may overflow; one that did grows the margin by what it overflowed (and a
+    little), plans again, and the next step lays its activations out anew."""
+    from um_alloc.planner.director import OVERFLOW_SLACK
+
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "1GiB", overflow="300MiB")
+    assert planner.margin == (1 << 30) // 32  # default_margin
+    model._recorded = arenas = planner._runtime.arenas = RecordedArenas()
+    ids, closed = torch.randint(0, 97, (4, 16)), []
+    for _ in range(3):  # two safe steps, the plan's first step
+        train_step(model, optimizer, ids, closed)
+    allowed = [e[1] for e in arenas.events if isinstance(e, tuple)]
+    assert allowed == [0, 0, 300 << 20]
+    margin, first_plan = planner.margin, planner.plan
+    arenas.overflowed = 40 << 20
+    with caplog.at_level("WARNING", logger="um_alloc.planner"):
+        train_step(model, optimizer, ids, closed)  # this one overflowed 40 MiB
+    assert planner.margin == margin + (40 << 20) + OVERFLOW_SLACK and planner.overflowed_steps == 1
+    assert "needed 40.0 MiB more than the 1.0 GiB budget holds" in caplog.text
+    train_step(model, optimizer, ids, closed)
+    assert planner.plan is not first_plan and planner.plan.limit_bytes == first_plan.limit_bytes - (40 << 20) - OVERFLOW_SLACK
+    assert steps([e for e in arenas.events if not isinstance(e, tuple)]) == [True, True, True, False, True]
+    assert planner.to_dict()["overflowed_steps"] == 1 and planner.to_dict()["overflow_bytes"] == 300 << 20
+
+
+def test_the_default_overflow_is_a_quarter_of_the_budget_and_at_least_a_gibibyte():
+    from um_alloc.planner.director import default_margin, default_overflow
+
+    assert default_overflow(16 << 30) == 4 << 30 and default_overflow(2 << 30) == 1 << 30
+    assert default_margin(16 << 30) == 512 << 20 and default_margin(64 << 30) == 512 << 20
+    assert default_margin(4 << 30) == 128 << 20

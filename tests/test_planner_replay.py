@@ -416,7 +416,8 @@ def test_a_planned_step_out_of_memory_widens_the_margin_and_says_how_much_lower_
         model(input_ids=ids, labels=ids).loss.backward()
     hook.remove()
     assert planner.margin == margin + (256 << 20)  # a sixteenth of 2 GiB is less than the 256 MiB at least
-    assert "margin now 768.0 MiB, planning again" in caplog.text
+    assert margin == 64 << 20  # default_margin: a thirty-second of the budget
+    assert "margin now 320.0 MiB, planning again" in caplog.text
     assert "a budget 256.0 MiB lower plans with this margin from the first step" in caplog.text
     model(input_ids=ids, labels=ids).loss.backward()  # the next step runs the new plan
     assert planner.plan is not None
@@ -431,7 +432,7 @@ def test_more_memory_in_use_as_a_step_begins_plans_again_before_it_runs(caplog):
     from um_alloc.planner.director import GROWTH_PLANNED_AGAIN
 
     model = tiny_bert(dropout=0.0).float()
-    planner = BlockPlanner(model, "2GiB")
+    planner = BlockPlanner(model, "2GiB", margin="512MiB")
     ids = torch.randint(0, 97, (4, 16))
     in_use = [0]
     planner._probe.live = lambda: in_use[0]  # the CPU has no pool: stand in for its live bytes

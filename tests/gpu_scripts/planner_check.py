@@ -3,6 +3,7 @@
     python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
+    python tests/gpu_scripts/planner_check.py overflow  # a planned step needs more than the budget: host memory, plain's losses
     python tests/gpu_scripts/planner_check.py compiled # a ViT through torch.compile (inductor): plain's losses, closely
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
     python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
@@ -165,6 +166,42 @@ def oom() -> dict:
                 retried += 1
     handle.remove()
     return {"losses": losses, "retried": retried, "margin_before": margin, "margin_after": planner.margin}
+
+
+def overflow() -> dict:
+    """A planned step needs more than the 4 GiB hard budget holds: the pool puts the excess in host
+    memory the GPU maps, kernels write and read it there, the step trains as plain training does,
+    and the planner plans again with the margin grown by it."""
+    plain, plain_opt = bert()
+    model, optimizer = bert()
+    planner = um_alloc.plan(model, budget="4GiB", overflow="2GiB")
+    pool = um_alloc.ChunkPool.for_device(0)
+    budget, hog = 4 << 30, {"left": 1}
+
+    def need_more_than_the_budget(module, args):  # once, in the first planned step
+        if not hog["left"] or planner.plan is None:
+            return
+        hog["left"] = 0
+        # All the backing the budget has left, then more than any free run holds: new chunks.
+        hold = torch.ones((budget - pool.device_backed()[0]) // (2 * MiB) * (2 * MiB), dtype=torch.uint8, device="cuda")
+        hog["over_bytes"] = pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB
+        over = torch.full((hog["over_bytes"],), 7, dtype=torch.uint8, device="cuda")
+        hog["over_host"] = pool.block_at(over.data_ptr()).residency == "host"
+        hog["over_ok"] = bool((over[:: 1 << 16] == 7).all()) and bool((hold[:: 1 << 16] == 1).all())
+
+    handle = model.bert.encoder.layer[3].register_forward_pre_hook(need_more_than_the_budget)
+    data = torch.Generator().manual_seed(1)
+    losses, margin = {"plain": [], "planned": []}, planner.margin
+    for i in range(6):
+        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        losses["plain"].append(step(plain, plain_opt, ids, i))
+        losses["planned"].append(step(model, optimizer, ids, i))
+    handle.remove()
+    stats = um_alloc.memory_stats()
+    return {**losses, **{k: hog.get(k) for k in ("over_ok", "over_host", "over_bytes")}, "margin_before": margin,
+            "margin_after": planner.margin, "overflowed_steps": planner.overflowed_steps,
+            "overflow_allocations": stats["overflow_allocations"], "num_ooms": stats["num_ooms"],
+            "peak_gpu_backed_bytes": stats["peak_gpu_backed_bytes"], "budget_bytes": budget}
 
 
 def failed() -> dict:
@@ -333,7 +370,7 @@ def large_batch() -> dict:
             "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
-MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom, "lean": lean, "lengths": lengths,
+MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom, "overflow": overflow, "lean": lean, "lengths": lengths,
          "arenas": arenas, "gpt2": gpt2, "large_batch": large_batch, "failed": failed}
 
 if __name__ == "__main__":

@@ -45,6 +45,16 @@ class StepArenas:
         if self._pool is not None:
             self._pool.set_step_arenas(False)
 
+    def allow_overflow(self, nbytes: int) -> None:
+        """Up to `nbytes` of the step's large requests that the hard budget refuses go to host
+        memory the GPU maps instead of failing (ChunkPool.set_overflow); 0: none."""
+        if self._pool is not None:
+            self._pool.set_overflow(nbytes)
+
+    def overflow_peak(self) -> int:
+        """The most bytes held in host memory that way at once since the last call."""
+        return self._pool.take_overflow_peak() if self._pool is not None else 0
+
     def release(self) -> int:
         """Returns the wholly free arenas, and the GPU memory backing them; the bytes returned."""
         return self._pool.empty_cache() if self._pool is not None else 0

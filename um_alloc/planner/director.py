@@ -31,7 +31,10 @@ Troubleshooting:
   memory (host_optimizer.yaml). Raised before a step's forward also where memory in use between
   steps grew after the measuring steps (the optimizer's state made after them under gradient
   accumulation) and no plan fits with it: each step that begins with more in use plans again.
-- A plan that runs out of memory: the next steps use a larger margin (``margin=`` sets the start).
+- A plan that needs more than the budget holds: under um_alloc's hard budget the step's excess goes
+  to host memory the GPU maps (up to ``overflow=``; slower, never a failed step), and the next steps
+  use a margin larger by that excess. Past the overflow, or without um_alloc, the step runs out of
+  memory, and the next steps use a larger margin (``margin=`` sets the start).
 - Hugging Face models: ``use_cache`` is turned off in every config the model holds (an
   encoder-decoder's decoder has its own), as their own gradient checkpointing does, since a cache
   would be written again by each recomputation; ``remove()`` turns it back on.
@@ -75,6 +78,9 @@ BORROWED_STEPS = 16                  # steps an input runs a larger input's plan
 PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOVED})  # need the first step's probes
 GROWTH_PLANNED_AGAIN = 64 << 20      # more in use as a step begins than a plan was measured with
 MAX_WINDOW = 512 << 20               # copies back in flight ahead of backward, at most (default_window)
+MAX_MARGIN = 512 << 20               # room left under the budget, at most (default_margin)
+MIN_OVERFLOW = 1 << 30               # host memory a planned step may overflow to, at least (default_overflow)
+OVERFLOW_SLACK = 64 << 20            # beyond what a step overflowed, what the margin grows by
 _KEEP_STARTS = 64                    # step start events kept for the measured step time
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKeyDictionary()
 
@@ -111,7 +117,13 @@ class BlockPlanner:
         strategy: "auto" (plan per block) or "checkpoint" (recompute every block: an ablation).
         block_classes: class names of the blocks, where the search finds none or the wrong ones.
             Default: the installed policy's scheduler.block_classes, where it names any.
-        margin: room left under the budget (default 512 MiB); grows after an out-of-memory step.
+        margin: room left under the budget (default: a thirty-second of it, at most 512 MiB); grows
+            after a step that overflowed or ran out of memory.
+        overflow: under um_alloc's hard budget, bytes of a planned step's requests that the budget
+            refuses which go to host memory the GPU maps instead of failing the step (default: a
+            quarter of the budget, at least 1 GiB; 0: none, such a step runs out of memory). The
+            step is slower, its kernels reaching those bytes over the link, and the next steps plan
+            with the margin grown by them. The measuring steps never overflow.
         window: bytes of copies back in flight ahead of backward (default: a sixteenth of the
             budget, at most 512 MiB). The safe mode holds them at its backward's peaks, so a window
             that is a large share of a small budget is what keeps the safe mode from fitting.
@@ -141,7 +153,8 @@ class BlockPlanner:
     """
 
     def __init__(self, model: nn.Module, budget: int | str | None = None, *, strategy: str = "auto",
-                 block_classes: list[str] | None = None, margin: int | str = "512MiB",
+                 block_classes: list[str] | None = None, margin: int | str | None = None,
+                 overflow: int | str | None = None,
                  window: int | str | None = None, hide_fraction: float = 0.7,
                  decisions: list[str] | None = None, lean_loss: bool | None = None,
                  one_node_recompute: bool | None = None):
@@ -151,7 +164,8 @@ class BlockPlanner:
         self.hide_fraction = arguments.number_in(hide_fraction, _at("hide_fraction"), 0, 1)
         model = unwrap_model(model)
         self.budget = _budget(budget)
-        self.margin = arguments.size(margin, _at("margin"))
+        self.margin = default_margin(self.budget) if margin is None else arguments.size(margin, _at("margin"))
+        self.overflow = default_overflow(self.budget) if overflow is None else arguments.size(overflow, _at("overflow"))
         window = default_window(self.budget) if window is None else arguments.size(window, _at("window"))
         lean_loss = _switch(lean_loss, "lean_loss")
         one_node_recompute = _switch(one_node_recompute, "one_node_recompute")
@@ -176,7 +190,8 @@ class BlockPlanner:
         self._borrowing: _Shape | None = None              # the input of the step begun last, if it borrows
         self.safe_steps = 0                                # steps run in the safe mode, to measure
         self._last_safe = False                            # whether the step begun last was a safe one
-        self._after_oom = False                            # a step ran out of memory since
+        self._after_oom = False                            # a step ran out of memory or overflowed since
+        self.overflowed_steps = 0                          # planned steps that overflowed to host memory
         self._ooms = self._probe.out_of_memory_count()
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss, one_node_recompute=one_node_recompute)
@@ -262,13 +277,16 @@ class BlockPlanner:
 
     def _new_layout(self, safe: bool) -> None:
         """Where a step lays its activations out anew (a safe step, the first planned step after
-        one, any step after one that ran out of memory), the step arenas the last layout left
-        backed are given back first (arenas.py): its free chunks, scattered where the new layout
-        wants other sizes, would otherwise hold budget that the new layout's requests cannot use."""
+        one, any step after one that ran out of memory or overflowed), the step arenas the last
+        layout left backed are given back first (arenas.py): its free chunks, scattered where the
+        new layout wants other sizes, would otherwise hold budget that the new layout's requests
+        cannot use. A planned step may overflow to host memory; a measuring one may not, since
+        its peaks are what every plan is made from (one that runs out of memory is tried again)."""
         if safe or self._last_safe or self._after_oom:
             released = self._runtime.arenas.release()
             if released:
                 log.info("planner: %s of free arenas given back for a new layout", format_size(released))
+        self._runtime.arenas.allow_overflow(0 if safe else self.overflow)
         self._last_safe, self._after_oom = safe, False
 
     def _borrow(self, shape: _Shape) -> Plan | None:
@@ -322,7 +340,10 @@ class BlockPlanner:
         return self._shapes.setdefault(signature, _Shape(signature=signature))
 
     def end(self, step: Step, completed: bool) -> None:
+        overflowed = self._runtime.arenas.overflow_peak()
         if completed:
+            if overflowed:
+                self.on_overflow(overflowed)
             return
         self._pending = None
         ooms = self._probe.out_of_memory_count()
@@ -429,6 +450,20 @@ class BlockPlanner:
         log.warning("planner: a step ran out of memory; margin now %s, planning again. A training loop that "
                     "does not run the step again stops here: then a budget %s lower plans with this margin "
                     "from the first step", format_size(self.margin), format_size(grown))
+        self._plan_again()
+
+    def on_overflow(self, nbytes: int) -> None:
+        """A planned step needed `nbytes` more than the budget held, which the pool put in host
+        memory (the step ran, slower): keep that much less from now on, plan again."""
+        self.overflowed_steps += 1
+        self._after_oom = True  # the next step lays its activations out anew
+        self.margin += nbytes + OVERFLOW_SLACK
+        log.warning("planner: a step needed %s more than the %s budget holds, which it reached in host memory "
+                    "(that step ran slower); margin now %s, planning again", format_size(nbytes),
+                    format_size(self.budget), format_size(self.margin))
+        self._plan_again()
+
+    def _plan_again(self) -> None:
         for shape in self._shapes.values():
             if shape.calibration is not None:
                 self._plan_shape(shape)
@@ -493,6 +528,7 @@ class BlockPlanner:
 
     def to_dict(self) -> dict:
         out = {"strategy": self.strategy, "budget_bytes": self.budget, "margin_bytes": self.margin,
+               "overflow_bytes": self.overflow, "overflowed_steps": self.overflowed_steps,
                "units": len(self.units), "blocks": sum(u.kind == "block" for u in self.units),
                "safe_steps": self.safe_steps, "inputs": self._inputs()}
         if self._runtime.lean_loss is not None:
@@ -631,6 +667,18 @@ def _block_classes(names) -> list[str] | None:
         raise _at("block_classes").error("not a list of class names", allowed='None, or a list like ["BertLayer"]',
                                          received=names)
     return list(names)
+
+
+def default_margin(budget: int) -> int:
+    """Room left under the budget for what a plan's predicted peak misses, by default: a thirty-
+    second of the budget, at most 512 MiB. It can be small because a planned step that needs more
+    overflows to host memory (default_overflow) instead of failing, and the margin then grows."""
+    return min(MAX_MARGIN, budget // 32)
+
+
+def default_overflow(budget: int) -> int:
+    """Host memory a planned step may overflow to, by default: a quarter of the budget, at least 1 GiB."""
+    return max(MIN_OVERFLOW, budget // 4)
 
 
 def default_window(budget: int) -> int:
