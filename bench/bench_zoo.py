@@ -116,7 +116,10 @@ def planner_record(launched: tuple, method: str, **common) -> dict:
                   # the planner's own clock: forward to forward, as it predicts
                   planner_measured_step_s=planner.get("measured_step_s"),
                   # steps run in the safe mode to measure, and input shapes planned or borrowing a plan
-                  safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"), **common)
+                  safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"),
+                  # room left under the budget as the run ended, and planned steps that needed more
+                  margin_bytes=planner.get("margin_bytes"), overflowed_steps=planner.get("overflowed_steps"),
+                  **common)
 
 
 def record(summary: dict | None, status: str, note: str, *, method: str, model: str, run_id: str,

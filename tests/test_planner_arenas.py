@@ -126,3 +126,27 @@ def test_the_default_overflow_is_a_quarter_of_the_budget_and_at_least_a_gibibyte
     assert default_overflow(16 << 30) == 4 << 30 and default_overflow(2 << 30) == 1 << 30
     assert default_margin(16 << 30) == 512 << 20 and default_margin(64 << 30) == 512 << 20
     assert default_margin(4 << 30) == 128 << 20
+
+
+def test_where_no_plan_leaves_room_for_what_overflowed_the_plan_that_keeps_least_runs_on(caplog):
+    """The margin grows only as far as the safe mode still fits; the plan that keeps least then
+    runs, its excess in host memory, and later overflows plan nothing again."""
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "1GiB")
+    model._recorded = arenas = planner._runtime.arenas = RecordedArenas()
+    ids, closed = torch.randint(0, 97, (4, 16)), []
+    for _ in range(3):
+        train_step(model, optimizer, ids, closed)
+    measured = planner.calibration
+    most = (1 << 30) - measured.smallest_budget(0)
+    arenas.overflowed = 2 << 30  # more than the whole budget
+    with caplog.at_level("WARNING", logger="um_alloc.planner"):
+        train_step(model, optimizer, ids, closed)
+    assert planner.margin == most and "no plan leaves that much room" in caplog.text
+    arenas.overflowed = 64 << 20
+    train_step(model, optimizer, ids, closed)  # the plan that keeps least, overflowing again
+    least = planner.plan
+    assert least.predicted_peak_bytes == measured.smallest_peak()
+    train_step(model, optimizer, ids, closed)
+    assert planner.margin == most and planner.overflowed_steps == 2 and planner.plan is least

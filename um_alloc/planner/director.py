@@ -192,6 +192,7 @@ class BlockPlanner:
         self._last_safe = False                            # whether the step begun last was a safe one
         self._after_oom = False                            # a step ran out of memory or overflowed since
         self.overflowed_steps = 0                          # planned steps that overflowed to host memory
+        self._overflow_settled = False                     # the margin is as large as any plan allows
         self._ooms = self._probe.out_of_memory_count()
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss, one_node_recompute=one_node_recompute)
@@ -454,14 +455,34 @@ class BlockPlanner:
 
     def on_overflow(self, nbytes: int) -> None:
         """A planned step needed `nbytes` more than the budget held, which the pool put in host
-        memory (the step ran, slower): keep that much less from now on, plan again."""
+        memory (the step ran, slower): keep that much less from now on, plan again. Where even the
+        plan that keeps least cannot leave that much room, it runs from now on with its excess in
+        host memory, and steps that overflow again change nothing."""
         self.overflowed_steps += 1
+        if self._overflow_settled:
+            log.debug("planner: a step overflowed %s to host memory", format_size(nbytes))
+            return
+        wanted = self.margin + nbytes + OVERFLOW_SLACK
+        most = self._largest_margin()
+        self.margin = min(wanted, most)
         self._after_oom = True  # the next step lays its activations out anew
-        self.margin += nbytes + OVERFLOW_SLACK
-        log.warning("planner: a step needed %s more than the %s budget holds, which it reached in host memory "
-                    "(that step ran slower); margin now %s, planning again", format_size(nbytes),
-                    format_size(self.budget), format_size(self.margin))
+        if wanted <= most:
+            log.warning("planner: a step needed %s more than the %s budget holds, which it reached in host memory "
+                        "(that step ran slower); margin now %s, planning again", format_size(nbytes),
+                        format_size(self.budget), format_size(self.margin))
+        else:
+            self._overflow_settled = True
+            log.warning("planner: a step needed %s more than the %s budget holds, and no plan leaves that much room: "
+                        "from now on steps run the plan that keeps least, what passes the budget in host memory the "
+                        "GPU reaches over the link (slower). A budget about %s larger would hold it", format_size(nbytes),
+                        format_size(self.budget), format_size(wanted - most))
         self._plan_again()
+
+    def _largest_margin(self) -> int:
+        """The most margin with which every measured input's safe mode still fits the budget."""
+        smallest = max((s.calibration.smallest_budget(0) for s in self._shapes.values() if s.calibration is not None),
+                       default=0)
+        return max(self.budget - smallest, 0)
 
     def _plan_again(self) -> None:
         for shape in self._shapes.values():
