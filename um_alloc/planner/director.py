@@ -190,7 +190,7 @@ class BlockPlanner:
         self._borrowing: _Shape | None = None              # the input of the step begun last, if it borrows
         self.safe_steps = 0                                # steps run in the safe mode, to measure
         self._last_safe = False                            # whether the step begun last was a safe one
-        self._after_oom = False                            # a step ran out of memory or overflowed since
+        self._lay_out_anew = False                         # a step ran out of memory or overflowed: the next one lays out anew
         self.overflowed_steps = 0                          # planned steps that overflowed to host memory
         self._overflow_settled = False                     # the margin is as large as any plan allows
         self._ooms = self._probe.out_of_memory_count()
@@ -283,12 +283,12 @@ class BlockPlanner:
         new layout wants other sizes, would otherwise hold budget that the new layout's requests
         cannot use. A planned step may overflow to host memory; a measuring one may not, since
         its peaks are what every plan is made from (one that runs out of memory is tried again)."""
-        if safe or self._last_safe or self._after_oom:
+        if safe or self._last_safe or self._lay_out_anew:
             released = self._runtime.arenas.release()
             if released:
                 log.info("planner: %s of free arenas given back for a new layout", format_size(released))
         self._runtime.arenas.allow_overflow(0 if safe else self.overflow)
-        self._last_safe, self._after_oom = safe, False
+        self._last_safe, self._lay_out_anew = safe, False
 
     def _borrow(self, shape: _Shape) -> Plan | None:
         """The plan this input runs, if it runs another's: that of the smallest planned input that
@@ -350,7 +350,7 @@ class BlockPlanner:
         ooms = self._probe.out_of_memory_count()
         if step.oom or ooms > self._ooms:
             self._ooms = ooms
-            self._after_oom = True
+            self._lay_out_anew = True
             if step.spec.recorder is not None:  # the safe mode itself did not fit
                 owner = step.spec.owner
                 owner.failures += 1
@@ -465,7 +465,7 @@ class BlockPlanner:
         wanted = self.margin + nbytes + OVERFLOW_SLACK
         most = self._largest_margin()
         self.margin = min(wanted, most)
-        self._after_oom = True  # the next step lays its activations out anew
+        self._lay_out_anew = True
         if wanted <= most:
             log.warning("planner: a step needed %s more than the %s budget holds, which it reached in host memory "
                         "(that step ran slower); margin now %s, planning again", format_size(nbytes),
