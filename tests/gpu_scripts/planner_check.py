@@ -3,7 +3,7 @@
     python tests/gpu_scripts/planner_check.py equal   # prints a JSON line: planned vs plain losses
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
-    python tests/gpu_scripts/planner_check.py overflow  # a planned step needs more than the budget: host memory, plain's losses
+    python tests/gpu_scripts/planner_check.py overflow  # more than the budget: host memory, plain's losses
     python tests/gpu_scripts/planner_check.py compiled # a ViT through torch.compile (inductor): plain's losses, closely
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
     python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
@@ -370,8 +370,9 @@ def large_batch() -> dict:
             "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
-MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom, "overflow": overflow, "lean": lean, "lengths": lengths,
-         "arenas": arenas, "gpt2": gpt2, "large_batch": large_batch, "failed": failed}
+MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
+         "overflow": overflow, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
+         "large_batch": large_batch, "failed": failed}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit

@@ -190,7 +190,7 @@ class BlockPlanner:
         self._borrowing: _Shape | None = None              # the input of the step begun last, if it borrows
         self.safe_steps = 0                                # steps run in the safe mode, to measure
         self._last_safe = False                            # whether the step begun last was a safe one
-        self._lay_out_anew = False                         # a step ran out of memory or overflowed: the next one lays out anew
+        self._lay_out_anew = False                         # a step ran out of memory or overflowed
         self.overflowed_steps = 0                          # planned steps that overflowed to host memory
         self._overflow_settled = False                     # the margin is as large as any plan allows
         self._ooms = self._probe.out_of_memory_count()
@@ -474,8 +474,8 @@ class BlockPlanner:
             self._overflow_settled = True
             log.warning("planner: a step needed %s more than the %s budget holds, and no plan leaves that much room: "
                         "from now on steps run the plan that keeps least, what passes the budget in host memory the "
-                        "GPU reaches over the link (slower). A budget about %s larger would hold it", format_size(nbytes),
-                        format_size(self.budget), format_size(wanted - most))
+                        "GPU reaches over the link (slower). A budget about %s larger would hold it",
+                        format_size(nbytes), format_size(self.budget), format_size(wanted - most))
         self._plan_again()
 
     def _largest_margin(self) -> int:
