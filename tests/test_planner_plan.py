@@ -359,3 +359,14 @@ def test_with_copies_ahead_the_plan_still_keeps_the_peak_it_predicts_within_the_
     plan = make_plan(windowed, budget_gib * GiB)
     assert plan.predicted_peak_bytes <= plan.limit_bytes
     assert make_plan(windowed, (budget_gib + 1) * GiB).predicted_step_s <= plan.predicted_step_s + 1e-12
+
+
+@pytest.mark.parametrize("hide_fraction", [0.0, 0.7])
+def test_no_compute_to_hide_copies_under_an_unmeasured_link_allows_no_moves_and_plans(hide_fraction):
+    """A link nothing measured is infinitely fast (the CPU); where the modelled backward is zero
+    (a short step on a loaded host) or moves may hide under nothing, the room for moves is none,
+    not infinity times zero."""
+    cal = replace(transformer(), link_bytes_per_s=float("inf"))
+    cal = replace(cal, step_s=sum(u.forward_s for u in cal.units) * cal.hide_scale())  # backward: none
+    plan = make_plan(cal, 12 * GiB, hide_fraction=hide_fraction)
+    assert plan.moved_bytes == 0 and plan.predicted_peak_bytes <= plan.limit_bytes

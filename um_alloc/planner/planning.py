@@ -434,7 +434,10 @@ def _link_room(cal: Calibration, hide_fraction: float) -> int:
     the planned forward is the kept one, shorter than the safe step's (hide_scale)."""
     forward = sum(u.forward_s for u in cal.units) * cal.hide_scale()
     backward = max(cal.base_step_s() - forward, 0.0)
-    return int(min(hide_fraction * cal.link_bytes_per_s * min(forward, backward), 2.0**62))
+    hidden_s = hide_fraction * min(forward, backward)
+    if hidden_s <= 0:  # nothing hides copies: none, also over an unmeasured (infinite) link
+        return 0
+    return int(min(hidden_s * cal.link_bytes_per_s, 2.0**62))
 
 
 def _caps(cal: Calibration, limit: int, n: int, moved_cols: np.ndarray) -> np.ndarray:
