@@ -151,3 +151,20 @@ def test_where_no_plan_leaves_room_for_what_overflowed_the_plan_that_keeps_least
     assert least.predicted_peak_bytes == measured.smallest_peak()
     train_step(model, optimizer, ids, closed)
     assert planner.margin == most and planner.overflowed_steps == 2 and planner.plan is least
+
+
+def test_the_installed_policy_sets_the_overflow_and_an_argument_overrides_it(monkeypatch):
+    """Under the launcher or a callback there is no call to pass `overflow` to: the policy's
+    scheduler.overflow (0 turns it off) stands in, and auto is a quarter of the budget."""
+    from types import SimpleNamespace
+    from um_alloc.planner import director
+    from um_alloc.policy import policy_from_dict
+
+    for key, expected in ((0, 0), ("auto", 1 << 30), ("3GiB", 3 << 30)):
+        policy = policy_from_dict({"scheduler": {"strategy": "auto", "overflow": key}}, source="p.yaml", name="p")
+        monkeypatch.setattr(director, "is_installed", lambda: True)
+        monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=policy, budget=1 << 30))
+        for options, overflow in (({}, expected), ({"overflow": "5MiB"}, 5 << 20)):
+            planner = BlockPlanner(tiny_bert(dropout=0.0).float(), "4GiB", **options)
+            assert planner.overflow == overflow
+            planner.remove()

@@ -396,6 +396,16 @@ def test_the_planners_switches_are_on_unless_a_policy_turns_them_off(key):
         scheduler(**{key: "no"})
 
 
+def test_overflow_is_auto_a_size_or_none_at_all():
+    def scheduler(**keys):
+        return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler
+
+    assert scheduler().overflow is None and scheduler(overflow="auto").overflow is None
+    assert scheduler(overflow=0).overflow == 0 and scheduler(overflow="2GiB").overflow == 2 << 30
+    with pytest.raises(PolicyError, match=r"scheduler.overflow: .*allowed: auto, 0 \(none\), or a size"):
+        scheduler(overflow="lots")
+
+
 def test_block_classes_name_the_planners_blocks_as_a_list_of_class_names():
     def scheduler(**keys):
         return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler

@@ -88,6 +88,10 @@ class SchedulerSettings:
     block_classes: tuple[str, ...] = ()       # class names of the block planner's blocks, where
                                               # its search finds none or the wrong ones; empty:
                                               # the search (um_alloc.planner.blocks)
+    overflow: int | None = None               # bytes of a planned step's requests the hard budget
+                                              # refuses that go to host memory instead of failing
+                                              # the step; None = auto (a quarter of the budget, at
+                                              # least 1 GiB), 0 = none (um_alloc.planner.director)
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,13 @@ def _size(minimum: int = 0) -> Converter:
     return lambda value, at: arguments.size(value, at, minimum=minimum)
 
 
+def _size_or_auto_or_zero(value: Any, at: At) -> int | None:
+    """A size >= 0 (0: none), or auto / null meaning None."""
+    if value is None or (isinstance(value, str) and value.strip() == "auto"):
+        return None
+    return parse_size_at(value, at, "auto, 0 (none), or a size like 512MiB or 4GiB")
+
+
 def _size_or(word: str) -> Converter:
     """A size > 0, or `word` / null meaning None (auto)."""
     allowed = f"{word}, or a size > 0 like 512MiB or 4GiB"
@@ -210,7 +221,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
         "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "lean_loss": _bool,
-        "block_classes": _class_names,
+        "block_classes": _class_names, "overflow": _size_or_auto_or_zero,
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,

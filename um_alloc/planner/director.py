@@ -121,9 +121,10 @@ class BlockPlanner:
             after a step that overflowed or ran out of memory.
         overflow: under um_alloc's hard budget, bytes of a planned step's requests that the budget
             refuses which go to host memory the GPU maps instead of failing the step (default: a
-            quarter of the budget, at least 1 GiB; 0: none, such a step runs out of memory). The
-            step is slower, its kernels reaching those bytes over the link, and the next steps plan
-            with the margin grown by them. The measuring steps never overflow.
+            quarter of the budget, at least 1 GiB, where the installed policy's scheduler.overflow
+            says auto; 0: none, such a step runs out of memory). The step is slower, its kernels
+            reaching those bytes over the link, and the next steps plan with the margin grown by
+            them. The measuring steps never overflow.
         window: bytes of copies back in flight ahead of backward (default: a sixteenth of the
             budget, at most 512 MiB). The safe mode holds them at its backward's peaks, so a window
             that is a large share of a small budget is what keeps the safe mode from fitting.
@@ -165,7 +166,7 @@ class BlockPlanner:
         model = unwrap_model(model)
         self.budget = _budget(budget)
         self.margin = default_margin(self.budget) if margin is None else arguments.size(margin, _at("margin"))
-        self.overflow = default_overflow(self.budget) if overflow is None else arguments.size(overflow, _at("overflow"))
+        self.overflow = _overflow(overflow, self.budget)
         window = default_window(self.budget) if window is None else arguments.size(window, _at("window"))
         lean_loss = _switch(lean_loss, "lean_loss")
         one_node_recompute = _switch(one_node_recompute, "one_node_recompute")
@@ -700,6 +701,14 @@ def default_margin(budget: int) -> int:
 def default_overflow(budget: int) -> int:
     """Host memory a planned step may overflow to, by default: a quarter of the budget, at least 1 GiB."""
     return max(MIN_OVERFLOW, budget // 4)
+
+
+def _overflow(value, budget: int) -> int:
+    """The argument, else the installed policy's scheduler.overflow, else default_overflow."""
+    if value is not None:
+        return arguments.size(value, _at("overflow"))
+    chosen = installation().policy.scheduler.overflow if is_installed() else None
+    return default_overflow(budget) if chosen is None else chosen
 
 
 def default_window(budget: int) -> int:
