@@ -161,7 +161,10 @@ def _record(name: str, summary, extra: dict, run_id: str, base, budget: int, arg
                       planner_measured_step_s=summary["planner"].get("measured_step_s"),
                       calibration=summary["planner"].get("calibration"),
                       # the plans tried in the first steps, each predicted and measured, and which stayed
-                      trials=summary["planner"].get("trials"))
+                      trials=summary["planner"].get("trials"),
+                      # room left under the budget as the run ended, and planned steps that needed more
+                      margin_bytes=summary["planner"].get("margin_bytes"),
+                      overflowed_steps=summary["planner"].get("overflowed_steps"))
     return record
 
 

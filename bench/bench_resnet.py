@@ -73,7 +73,9 @@ def train(method: str, batch: int, budget: int, steps: int, warmup: int) -> dict
     if planner is not None:
         plan = planner.to_dict()
         record.update(plan=plan.get("plan"), predicted_step_s=(plan.get("plan") or {}).get("predicted_step_s"),
-                      planner_measured_step_s=plan.get("measured_step_s"), trials=plan.get("trials"))
+                      planner_measured_step_s=plan.get("measured_step_s"), trials=plan.get("trials"),
+                      # room left under the budget as the run ended, and planned steps that needed more
+                      margin_bytes=plan.get("margin_bytes"), overflowed_steps=plan.get("overflowed_steps"))
         timed = steps - warmup  # cudaMallocManaged and cudaFree (which syncs the device) in a timed step
         record.update({f"{name}_per_step": (arenas[-1][i] - arenas[warmup - 1][i]) / timed
                        for i, name in enumerate(("arena_reserves", "arena_releases"))})

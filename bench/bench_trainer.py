@@ -92,7 +92,9 @@ def merged(runs: list[tuple[dict, dict, str]]) -> dict:
     if planner.get("plan"):
         # The calibration too: what a prediction was made from, to read its error from the record.
         figures.update(plan=planner["plan"], predicted_step_s=planner["plan"].get("predicted_step_s"),
-                       calibration=planner.get("calibration"), trials=planner.get("trials"))
+                       calibration=planner.get("calibration"), trials=planner.get("trials"),
+                       # room left under the budget as the run ended, and planned steps that needed more
+                       margin_bytes=planner.get("margin_bytes"), overflowed_steps=planner.get("overflowed_steps"))
     return figures
 
 
