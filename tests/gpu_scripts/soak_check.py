@@ -88,7 +88,7 @@ def until_refused(model, optimizer, inputs: dict, tries: int = 3) -> list[str]:
 
 
 def oom() -> dict:
-    # 1.5 GiB: the planner keeps a 512 MiB margin and 128 MiB of copy stages free of it, and the safe
+    # 1.5 GiB: the planner keeps a margin (48 MiB) and 128 MiB of copy stages free of it, and the safe
     # mode of batch 16 (the logits' fp32 log-softmax and its gradient) must fit in the rest
     um_alloc.install("planner.yaml", budget="1536MiB", max_reserved="4GiB")
     model, optimizer = bert()
