@@ -119,6 +119,10 @@ def planner_record(launched: tuple, method: str, **common) -> dict:
                   safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"),
                   # room left under the budget as the run ended, and planned steps that needed more
                   margin_bytes=planner.get("margin_bytes"), overflowed_steps=planner.get("overflowed_steps"),
+                  # over the whole run: cudaMallocManaged and cudaFree calls (cudaFree waits for the
+                  # device), and requests that overflowed to host memory
+                  pool_calls={key: (report.get("memory_stats") or {}).get(key)
+                              for key in ("arena_reserves", "arena_releases", "overflow_allocations")},
                   **common)
 
 
