@@ -6,9 +6,9 @@
 namespace um {
 namespace {
 
-constexpr size_t kSmallAlignment = 512;
+constexpr size_t kSmallAlignment = 512;  // as PyTorch's caching allocator: keeps vector loads aligned
 // What an overflowed run carries: host memory the GPU maps, as a host-mapped tag's (spill.py).
-constexpr Advice kHostMapped{Location::cpu, false, true, false};  // as PyTorch's caching allocator: keeps vector loads aligned
+constexpr Advice kHostMapped{Location::cpu, false, true, false};
 
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
@@ -720,10 +720,10 @@ std::string ChunkPool::oom_message(size_t bytes, Tag tag, bool over_budget) cons
     if (overflow_limit_)
       m += "; in host memory already, overflowed from this step: " + format_bytes(stats_.overflow_bytes) + " of " +
            format_bytes(overflow_limit_) + " allowed";
-  }
-  else
+  } else {
     m += "reserved " + format_bytes(stats_.reserved_bytes) + " of a " + format_bytes(config_.max_reserved) +
          " limit (pool.max_reserved)";
+  }
   m += "; live " + format_bytes(stats_.live_bytes_total) + ":";
   for (int t = 0; t < kNumTags; ++t)
     if (stats_.live_bytes[t]) m += std::string(" ") + tag_name(Tag(t)) + " " + format_bytes(stats_.live_bytes[t]);

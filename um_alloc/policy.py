@@ -165,22 +165,16 @@ def _size(minimum: int = 0) -> Converter:
     return lambda value, at: arguments.size(value, at, minimum=minimum)
 
 
-def _size_or_auto_or_zero(value: Any, at: At) -> int | None:
-    """A size >= 0 (0: none), or auto / null meaning None."""
-    if value is None or (isinstance(value, str) and value.strip() == "auto"):
-        return None
-    return parse_size_at(value, at, "auto, 0 (none), or a size like 512MiB or 4GiB")
-
-
-def _size_or(word: str) -> Converter:
-    """A size > 0, or `word` / null meaning None (auto)."""
-    allowed = f"{word}, or a size > 0 like 512MiB or 4GiB"
+def _size_or(word: str, zero_is_none: bool = False) -> Converter:
+    """A size > 0 (or 0, meaning none, where `zero_is_none`), or `word` / null meaning None (auto)."""
+    allowed = (f"{word}, 0 (none), or a size like 512MiB or 4GiB" if zero_is_none
+               else f"{word}, or a size > 0 like 512MiB or 4GiB")
 
     def convert(value: Any, at: At) -> int | None:
         if value is None or (isinstance(value, str) and value.strip() == word):
             return None
         n = parse_size_at(value, at, allowed)
-        if n == 0:
+        if n == 0 and not zero_is_none:
             raise at.error("size must be > 0", allowed=allowed, received=value)
         return n
     return convert
@@ -221,7 +215,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
         "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "lean_loss": _bool,
-        "block_classes": _class_names, "overflow": _size_or_auto_or_zero,
+        "block_classes": _class_names, "overflow": _size_or("auto", zero_is_none=True),
     },
     TagAdvice: {
         "preferred_location": _choice(LOCATIONS, null="none"), "read_mostly": _bool,
