@@ -28,8 +28,9 @@ import argparse
 import math
 from pathlib import Path
 
-from harness import (PLANNER_SETTLING_STEPS, RESULTS, Run, new_run_id, pooled, protocol_record, rate_and_ratio_text,
-                     raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy, write_result)
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, Run, new_run_id, planner_fields, pooled, protocol_record,
+                     rate_and_ratio_text, raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler,
+                     write_policy, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -156,15 +157,7 @@ def _record(name: str, summary, extra: dict, run_id: str, base, budget: int, arg
     if summary and summary.get("samples_per_s_runs"):
         record["samples_per_s_runs"] = summary["samples_per_s_runs"]
     if summary and summary.get("planner"):
-        plan = summary["planner"].get("plan", {})
-        record.update(plan=plan, predicted_step_s=plan.get("predicted_step_s"),
-                      planner_measured_step_s=summary["planner"].get("measured_step_s"),
-                      calibration=summary["planner"].get("calibration"),
-                      # the plans tried in the first steps, each predicted and measured, and which stayed
-                      trials=summary["planner"].get("trials"),
-                      # room left under the budget as the run ended, and planned steps that needed more
-                      margin_bytes=summary["planner"].get("margin_bytes"),
-                      overflowed_steps=summary["planner"].get("overflowed_steps"))
+        record.update(planner_fields(summary["planner"]))
     return record
 
 

@@ -26,7 +26,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, planner_fields, ratio,
+                     refuse_bad_counts, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
@@ -71,11 +72,7 @@ def train(method: str, batch: int, budget: int, steps: int, warmup: int) -> dict
               "samples_per_s": batch / step_s, "highwater_bytes": total - free - used_before,
               "loss_first": losses[0], "loss_last": losses[-1]}
     if planner is not None:
-        plan = planner.to_dict()
-        record.update(plan=plan.get("plan"), predicted_step_s=(plan.get("plan") or {}).get("predicted_step_s"),
-                      planner_measured_step_s=plan.get("measured_step_s"), trials=plan.get("trials"),
-                      # room left under the budget as the run ended, and planned steps that needed more
-                      margin_bytes=plan.get("margin_bytes"), overflowed_steps=plan.get("overflowed_steps"))
+        record.update(planner_fields(planner.to_dict()))
         timed = steps - warmup  # cudaMallocManaged and cudaFree (which syncs the device) in a timed step
         record.update({f"{name}_per_step": (arenas[-1][i] - arenas[warmup - 1][i]) / timed
                        for i, name in enumerate(("arena_reserves", "arena_releases"))})

@@ -27,7 +27,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, ratio, refuse_bad_counts, write_result
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, planner_fields, ratio,
+                     refuse_bad_counts, write_result)
 
 from um_alloc.device_info import device_memory
 from um_alloc.sizes import format_size, parse_size
@@ -90,11 +91,7 @@ def merged(runs: list[tuple[dict, dict, str]]) -> dict:
     summary, extra = good[0] if good else ({}, {})
     planner = extra.get("planner") or summary
     if planner.get("plan"):
-        # The calibration too: what a prediction was made from, to read its error from the record.
-        figures.update(plan=planner["plan"], predicted_step_s=planner["plan"].get("predicted_step_s"),
-                       calibration=planner.get("calibration"), trials=planner.get("trials"),
-                       # room left under the budget as the run ended, and planned steps that needed more
-                       margin_bytes=planner.get("margin_bytes"), overflowed_steps=planner.get("overflowed_steps"))
+        figures.update(planner_fields(planner))
     return figures
 
 

@@ -42,8 +42,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import (PLANNER_SETTLING_STEPS, RESULTS, ROOT, Run, new_run_id, pooled, protocol_record, ratio,
-                     raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy,
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, ROOT, Run, new_run_id, planner_fields, pooled, protocol_record,
+                     ratio, raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy,
                      write_result)
 
 from um_alloc.sizes import format_size
@@ -106,19 +106,9 @@ def launched_run(name: str, model: str, args, *extra: str, budget: int | None = 
 def planner_record(launched: tuple, method: str, **common) -> dict:
     summary, status, note, report = launched
     planner = report.get("planner") or {}
-    plan = planner.get("plan")
-    return record(summary, status, note, method=method, plan=plan, plan_table=report.get("plan_table"),
-                  predicted_step_s=(plan or {}).get("predicted_step_s"),
-                  # what the plan came from: make_plan(calibration_from_dict(...), budget) plans it again
-                  calibration=planner.get("calibration"),
-                  # the plans tried in the first steps, each predicted and measured, and which stayed
-                  trials=planner.get("trials"),
-                  # the planner's own clock: forward to forward, as it predicts
-                  planner_measured_step_s=planner.get("measured_step_s"),
+    return record(summary, status, note, method=method, plan_table=report.get("plan_table"), **planner_fields(planner),
                   # steps run in the safe mode to measure, and input shapes planned or borrowing a plan
                   safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"),
-                  # room left under the budget as the run ended, and planned steps that needed more
-                  margin_bytes=planner.get("margin_bytes"), overflowed_steps=planner.get("overflowed_steps"),
                   # over the whole run: cudaMallocManaged and cudaFree calls (cudaFree waits for the
                   # device), and requests that overflowed to host memory
                   pool_calls={key: (report.get("memory_stats") or {}).get(key)

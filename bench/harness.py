@@ -184,6 +184,19 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base if value is not None and base else None
 
 
+def planner_fields(planner: dict) -> dict:
+    """What a record keeps of a run's BlockPlanner.to_dict(): the plan and its prediction; what
+    the plan came from (make_plan(calibration_from_dict(...), budget) plans it again); the plans
+    tried in the first steps, each predicted and measured, and which stayed; the planner's own
+    clock (forward to forward, as it predicts); the room left under the budget as the run ended,
+    and the planned steps that needed more (overflowed to host memory)."""
+    plan = planner.get("plan")
+    return dict(plan=plan, predicted_step_s=(plan or {}).get("predicted_step_s"),
+                calibration=planner.get("calibration"), trials=planner.get("trials"),
+                planner_measured_step_s=planner.get("measured_step_s"),
+                margin_bytes=planner.get("margin_bytes"), overflowed_steps=planner.get("overflowed_steps"))
+
+
 def pooled(runs: list[tuple]) -> tuple:
     """Several runs of one method as one (run_train's result, plus the launcher's report where
     launched): the first run that ended well, with the median samples/s of those that did, the
