@@ -121,7 +121,7 @@ bool ChunkPool::within_backing(Arena* a, size_t first, size_t end) {
     return n;
   };
   if (stats_.backed_bytes + incoming() <= budget_.budget) return true;
-  release_free_arenas(a);
+  release_free_arenas(a, /*backed_only=*/true);
   return stats_.backed_bytes + incoming() <= budget_.budget;
 }
 
@@ -199,7 +199,7 @@ size_t ChunkPool::migrate(const void* ptr, bool to_gpu, Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (trace_) trace_->line("m %p %d %p", ptr, to_gpu ? 1 : 0, stream);
   Block* b = live_block_containing(ptr);
-  if (!b || b->container || b->overflow) return 0;  // an overflowed block stays where the budget put it
+  if (!b || b->container || b->overflowed) return 0;  // an overflowed block stays where the budget put it
   Arena* a = b->arena;
   const size_t chunk = config_.chunk_size;
   const auto [first, end] = chunk_range(b);

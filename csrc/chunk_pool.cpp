@@ -145,7 +145,7 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
     const size_t first = chunk_index(run->arena, run->ptr, config_.chunk_size);
     return !on_gpu || make_room(run->arena, first, first + rounded / config_.chunk_size, stream);
   };
-  bool overflow = false;
+  size_t overflowed = 0;
   if (!room(b)) {
     // Before failing, the other arenas' free runs: backed memory of one use serves the other when
     // the budget leaves no new backing (an optimizer's temporaries in the step's freed activations,
@@ -153,13 +153,12 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
     const ArenaUse other = arenas == ArenaUse::step ? ArenaUse::lasting : ArenaUse::step;
     b = find_run(rounded, false, stream, other);
     if (!b || !room(b)) {
-      b = overflow_run(rounded, stream, use, arenas);
+      b = overflow_run(rounded, stream, use, arenas, &overflowed);
       if (!b) {
         err->kind = UM_ERR_OOM;
         err->over_budget = true;
         return nullptr;
       }
-      overflow = true, on_gpu = false;
     }
   }
   free_runs_of(b->arena).erase(b);
@@ -168,14 +167,13 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
   order_for_reuse(b, stream);
   b->allocated = true;
   b->tag = tag;
-  b->overflow = overflow;
+  b->overflowed = overflowed;
   claim_chunks(b, tag, use);
-  if (overflow) {  // the tag's own hints would bring its pages to the GPU
-    const size_t first = chunk_index(b->arena, b->ptr, config_.chunk_size);
-    advise_chunks(b->arena, first, first + rounded / config_.chunk_size, kHostMapped);
-  } else {
-    apply_tag(b, tag, stream);
+  if (overflowed) {
+    place_over_budget(b, tag, overflowed);
+    return b;
   }
+  apply_tag(b, tag, stream);
   if (on_gpu)
     mark_resident(b);  // PyTorch hands it to GPU kernels: its pages will be on the GPU
   else
@@ -183,13 +181,45 @@ Block* ChunkPool::take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUs
   return b;
 }
 
-// A free run to hold in host memory a large step request the hard budget refused: chunks the GPU
-// has not backed, so none is backed anew. nullptr where overflow is off or would pass its limit.
-Block* ChunkPool::overflow_run(size_t rounded, Stream stream, ChunkUse use, ArenaUse arenas) {
-  if (!hard_budget() || use != ChunkUse::large || arenas != ArenaUse::step) return nullptr;
-  if (stats_.overflow_bytes + rounded > overflow_limit_) return nullptr;
-  Block* b = find_run(rounded, true, stream, arenas);  // chunks never backed, or new address space
-  return b ? b : grow(rounded, arenas);
+// Where the hard budget refuses a step's large request: the window of free chunks the GPU has
+// backed most of (find_run), of whose other chunks as many as the budget still backs go on the
+// GPU and the rest, `host_bytes`, stay in host memory, so that no more of the request than the
+// budget forces is reached over the link. A window of 1 GiB with 0.8 GiB of it backed overflows
+// 0.2 GiB, not 1 GiB. nullptr where overflow is off or would pass its limit.
+Block* ChunkPool::overflow_run(size_t rounded, Stream stream, ChunkUse use, ArenaUse arenas, size_t* host_bytes) {
+  if (!hard_budget() || !overflow_limit_ || use != ChunkUse::large || arenas != ArenaUse::step) return nullptr;
+  Block* b = find_run(rounded, false, stream, arenas);
+  if (!b) b = grow(rounded, arenas);
+  if (!b) return nullptr;
+  const size_t first = chunk_index(b->arena, b->ptr, config_.chunk_size);
+  size_t unbacked = 0;
+  for (size_t i = first; i < first + rounded / config_.chunk_size; ++i)
+    unbacked += b->arena->chunks[i].gpu_backed ? 0 : config_.chunk_size;
+  const size_t room = budget_.budget > stats_.backed_bytes ? budget_.budget - stats_.backed_bytes : 0;
+  const size_t host = unbacked - std::min(unbacked, room / config_.chunk_size * config_.chunk_size);
+  if (stats_.overflow_bytes + host > overflow_limit_) return nullptr;
+  *host_bytes = host;  // 0 where arenas returned since the first look left the budget room for it all
+  return b;
+}
+
+// An overflowed run's chunks: those the GPU has backed, and the first of the others up to
+// `host_bytes` short of them all, carry the tag's hints and count as on the GPU; the last
+// `host_bytes` of the unbacked ones are hinted as host memory the GPU maps (the tag's own hints
+// would bring their pages to the GPU) and count as in host memory.
+void ChunkPool::place_over_budget(Block* run, Tag tag, size_t host_bytes) {
+  Arena* a = run->arena;
+  const auto [first, end] = chunk_range(run);
+  std::vector<bool> on_host(end - first, false);
+  for (size_t i = end, left = host_bytes / config_.chunk_size; i-- > first && left;)
+    if (!a->chunks[i].gpu_backed) on_host[i - first] = true, --left;
+  const Advice& advice = policies_[static_cast<int>(tag)].advice;
+  for (size_t i = first; i < end;) {
+    size_t j = i;
+    while (j < end && on_host[j - first] == on_host[i - first]) ++j;
+    advise_chunks(a, i, j, on_host[i - first] ? kHostMapped : advice);
+    for (size_t k = i; k < j; ++k) set_residency(a, k, on_host[i - first] ? Residency::host : Residency::gpu);
+    i = j;
+  }
 }
 
 // Best fit, with two exceptions among the next few fits. Under a budget, only a run whose first
@@ -515,13 +545,16 @@ size_t ChunkPool::empty_cache() {
   return release_free_arenas();
 }
 
-// Returns arenas that are one free run. cudaFree synchronizes the device, which is also what
-// makes this safe while other streams may still be finishing work on that memory.
-size_t ChunkPool::release_free_arenas(const Arena* keep) {
+// Returns arenas that are one free run; `backed_only`: only those the GPU has backed some of,
+// which are all a hard budget gains from (an arena an overflowed request took holds host memory
+// only, and returning it would cost a cudaFree and, at the next overflow, a new arena, each step).
+// cudaFree synchronizes the device, which is also what makes this safe while other streams may
+// still be finishing work on that memory.
+size_t ChunkPool::release_free_arenas(const Arena* keep, bool backed_only) {
   std::vector<Block*> whole;
   for (FreeSet& runs : free_runs_)
     for (Block* b : runs)
-      if (!b->prev && !b->next && b->arena != keep) whole.push_back(b);
+      if (!b->prev && !b->next && b->arena != keep && (!backed_only || b->arena->backed)) whole.push_back(b);
   size_t released = 0;
   for (Block* b : whole) {
     free_runs_of(b->arena).erase(b);
@@ -581,7 +614,7 @@ bool ChunkPool::retag_locked(const void* ptr, Tag tag, Stream stream) {
   b->tag = tag;
   // A small block shares its chunk's hints with its neighbours, and an overflowed one stays in host
   // memory (the budget refused it), so only their accounting moves.
-  if (!b->container && !b->overflow) {
+  if (!b->container && !b->overflowed) {
     claim_chunks(b, tag, ChunkUse::large);
     apply_tag(b, tag, stream);
     if (host_mapped(tag)) send_to_host(b, stream);
@@ -600,7 +633,7 @@ bool ChunkPool::block_at(const void* ptr, um_block_info* out) const {
   out->tag = static_cast<int32_t>(b->tag);
   out->is_small = b->container != nullptr;
   out->residency = static_cast<int32_t>(
-      run->arena->chunks[chunk_index(run->arena, b->ptr, config_.chunk_size)].residency);
+      run->arena->chunks[chunk_index(run->arena, static_cast<const char*>(ptr), config_.chunk_size)].residency);
   return true;
 }
 
@@ -629,9 +662,9 @@ void ChunkPool::count_live(Block* b, int sign) {
     ++(small ? stats_.small_blocks : stats_.large_blocks);
     b->device_live = !host_mapped(b->tag);
     if (b->device_live) add_device_live(b->requested);
-    if (b->overflow) {
+    if (b->overflowed) {
       ++stats_.overflow_allocations;
-      stats_.overflow_bytes += b->size;
+      stats_.overflow_bytes += b->overflowed;
       stats_.peak_overflow_bytes = std::max(stats_.peak_overflow_bytes, stats_.overflow_bytes);
       overflow_peak_ = std::max(overflow_peak_, stats_.overflow_bytes);
     }
@@ -643,8 +676,8 @@ void ChunkPool::count_live(Block* b, int sign) {
     --(small ? stats_.small_blocks : stats_.large_blocks);
     if (b->device_live) device_live_.live -= b->requested;
     b->device_live = false;
-    if (b->overflow) stats_.overflow_bytes -= b->size;
-    b->overflow = false;
+    stats_.overflow_bytes -= b->overflowed;
+    b->overflowed = 0;
   }
 }
 

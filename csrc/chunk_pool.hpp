@@ -109,7 +109,9 @@ struct Block {
   bool allocated = false;
   bool is_container = false;  // a chunk holding small blocks
   bool device_live = false;   // counted in device_live_: allocated under a tag that is not host-mapped
-  bool overflow = false;      // in host memory the GPU maps, where the hard budget refused it (set_overflow)
+  // Bytes of its chunks in host memory the GPU maps, where the hard budget refused to back them
+  // (set_overflow); its other chunks are on the GPU. 0: none.
+  size_t overflowed = 0;
   StreamSet streams;
 };
 
@@ -180,7 +182,8 @@ class ChunkPool {
   void* allocate_large(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err);
   void* allocate_small(size_t bytes, Stream stream, Tag tag, ArenaUse arenas, AllocError* err);
   Block* take_chunk_run(size_t rounded, Stream stream, Tag tag, ChunkUse use, ArenaUse arenas, AllocError* err);
-  Block* overflow_run(size_t rounded, Stream stream, ChunkUse use, ArenaUse arenas);
+  Block* overflow_run(size_t rounded, Stream stream, ChunkUse use, ArenaUse arenas, size_t* host_bytes);
+  void place_over_budget(Block* run, Tag tag, size_t host_bytes);
   Block* grow(size_t rounded, ArenaUse use);
   Block* find_fit(FreeSet& set, size_t size);
   Block* find_run(size_t rounded, bool for_host, Stream stream, ArenaUse use);
@@ -196,7 +199,7 @@ class ChunkPool {
   Block* merge_into_free(Block* b, FreeSet& set);
   void release_chunk_run(Block* b);
   void release_small(Block* b);
-  size_t release_free_arenas(const Arena* keep = nullptr);
+  size_t release_free_arenas(const Arena* keep = nullptr, bool backed_only = false);
   void order_for_reuse(Block* b, Stream stream);
   void mark_freed(Block* b);
   void apply_tag(Block* run, Tag tag, Stream stream);

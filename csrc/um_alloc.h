@@ -26,7 +26,7 @@ typedef struct {
 
 typedef struct {
   uint64_t base, size, requested; /* size: bytes the block occupies; requested: bytes asked for */
-  int32_t tag, is_small, residency; /* residency of its first chunk: 0 untouched, 1 gpu, 2 host */
+  int32_t tag, is_small, residency; /* of the chunk holding ptr: 0 untouched, 1 gpu, 2 host */
 } um_block_info;
 
 typedef struct {
@@ -91,8 +91,9 @@ void um_pool_device_backed(um_pool* pool, uint64_t* backed, uint64_t* peak);
 void um_pool_device_held(um_pool* pool, uint64_t* held, uint64_t* peak);
 int um_pool_set_tag_policy(um_pool* pool, int tag, um_tag_policy policy);
 /* Under a hard budget, up to `bytes` of large requests made while step arenas are on, which the
- * budget would refuse, are placed in host memory the GPU maps instead (0: none, the default): the
- * step runs slower, over the link, instead of failing. um_pool_take_overflow_peak returns the most
+ * budget would refuse, are placed in host memory the GPU maps instead (0: none, the default): of
+ * such a request, only the chunks the budget cannot back; the step runs slower, over the link,
+ * instead of failing. um_pool_take_overflow_peak returns the most
  * such bytes live at once since its last call. */
 void um_pool_set_overflow(um_pool* pool, size_t bytes);
 uint64_t um_pool_take_overflow_peak(um_pool* pool);

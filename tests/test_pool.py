@@ -785,6 +785,48 @@ def test_a_step_request_the_hard_budget_refuses_overflows_to_host_memory_within_
     assert pool.raw_stats()["peak_backed_bytes"] == 8 * MiB
 
 
+def test_of_a_request_the_hard_budget_refuses_only_what_it_cannot_back_overflows(make_pool):
+    """The window the request takes keeps its backed chunks on the GPU, and backs as many more as
+    the budget still allows; only the rest is hinted to host memory and counted as overflowed."""
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(12 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_overflow(64 * MiB)
+    pool.malloc(2 * MiB)  # lasting: 2 MiB backed
+    pool.set_step_arenas(True)
+    kept, freed = pool.malloc(4 * MiB), pool.malloc(4 * MiB)  # a 12 MiB step arena's chunks 0-1 and 2-3
+    pool.free(freed)  # free run: chunks 2-3 backed, 4-5 never backed; 10 MiB backed, 2 MiB of room
+    over = pool.malloc(8 * MiB)
+    assert over == freed
+    where = [pool.block_at(over + i * CHUNK).residency for i in range(4)]
+    assert where == ["gpu", "gpu", "gpu", "host"]  # backed, backed, the budget's room, overflowed
+    s = pool.raw_stats()
+    assert (s["overflow_allocations"], s["overflow_bytes"], s["backed_bytes"]) == (1, 2 * MiB, 12 * MiB)
+    assert pool.migrate(over, to_gpu=True) == 0  # it stays where the budget put it
+    pool.free(over)
+    assert pool.raw_stats()["overflow_bytes"] == 0 and pool.take_overflow_peak() == 2 * MiB
+    again = pool.malloc(6 * MiB)  # the same chunks for GPU data: three of them backed, all on the GPU
+    assert again == freed and pool.block_at(again + 2 * CHUNK).residency == "gpu"
+    assert pool.raw_stats()["backed_bytes"] == 12 * MiB and pool.raw_stats()["overflow_allocations"] == 1
+
+
+def test_an_arena_holding_only_overflowed_host_memory_is_kept_when_the_budget_wants_room(make_pool):
+    """Returning a wholly free arena the GPU never backed gives the budget nothing back; it would
+    cost a cudaFree now and a new arena at the next overflow, every step."""
+    pool = make_pool(arena=4 * MiB)
+    pool.set_budget(8 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_overflow(64 * MiB)
+    pool.malloc(4 * MiB)  # lasting: half the budget
+    pool.set_step_arenas(True)
+    pool.malloc(4 * MiB)  # the other half, in an 8 MiB step arena, whose last 4 MiB stay free
+    first = pool.malloc(6 * MiB)  # fits no free run: a new step arena, all of it in host memory
+    pool.free(first)
+    pool.malloc(4 * MiB)  # the budget refuses the first arena's free run, and the new one gives nothing back
+    again = pool.malloc(6 * MiB)
+    s = pool.raw_stats()
+    assert again == first and (s["arena_reserves"], s["arena_releases"]) == (3, 0)
+    assert s["overflow_bytes"] == 10 * MiB and s["backed_bytes"] == 8 * MiB
+
+
 def test_overflow_is_for_a_steps_large_requests_only(make_pool):
     """What outlasts a step (lasting arenas: optimizer state, small requests) never overflows, and
     neither does anything where overflow is off (the default)."""

@@ -28,7 +28,7 @@ class BlockInfo:
     requested: int   # bytes that were asked for
     tag: str
     is_small: bool   # sub-allocated inside a chunk shared with other small blocks of its tag
-    residency: str   # where the pool believes its first chunk lives
+    residency: str   # where the pool believes the chunk holding the address asked about lives
 
 
 def tag_policy_struct(advice) -> _lib.TagPolicyC:
