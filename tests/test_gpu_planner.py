@@ -92,9 +92,21 @@ def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):
 def test_a_planned_step_that_needs_more_than_the_budget_overflows_to_host_memory_and_trains(cuda_device):
     result = _check("overflow")
     assert result["over_host"] and result["over_ok"]  # kernels wrote and read the overflowed bytes
+    assert result["over_bytes"] > 0
     assert result["planned"] == result["plain"]
     assert result["overflowed_steps"] == 1 and result["overflow_allocations"] >= 1 and result["num_ooms"] == 0
     assert result["margin_after"] - result["margin_before"] == result["over_bytes"] + (64 << 20)  # and slack
+    assert result["peak_gpu_backed_bytes"] <= result["budget_bytes"]
+
+
+def test_a_budget_even_the_safe_mode_passes_trains_with_the_excess_in_host_memory(cuda_device):
+    result = _check("past_budget")
+    assert result["smallest_budget_bytes"] > result["budget_bytes"]  # the measured peak counts what overflowed
+    assert result["made"] == "the model's fastest within the least plan's peak" and result["margin"] == 0
+    assert result["tried"] == ["the model's fastest within the least plan's peak", "the plan that keeps least"]
+    assert result["planned"] == result["plain"]
+    assert result["safe_steps"] == 2 and result["num_ooms"] == 0 and result["overflow_allocations"] >= 2
+    assert result["overflowed_steps"] == 0  # planned steps: the hog ran only in the measuring ones
     assert result["peak_gpu_backed_bytes"] <= result["budget_bytes"]
 
 

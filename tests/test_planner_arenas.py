@@ -4,6 +4,10 @@ import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner
+from um_alloc.sizes import format_size
+
+LEAST = "the plan that keeps least"
+WITHIN_LEAST = "the model's fastest within the least plan's peak"
 from test_planner_replay import tiny_bert
 
 
@@ -13,6 +17,7 @@ class RecordedArenas:
     def __init__(self):
         self.events = []
         self.overflowed = 0  # what the next overflow_peak() reports
+        self.can_overflow = True
 
     def allow_overflow(self, nbytes: int):
         self.events.append(("overflow", nbytes))
@@ -42,6 +47,12 @@ def steps(events):
             out.append(released)
             released = False
     return out
+
+
+def trials_of(planner):
+    """The trials of the one input shape these tests train (planned again, before its next step)."""
+    (shape,) = planner._shapes.values()
+    return shape.trials
 
 
 def train_step(model, optimizer, ids, closed):
@@ -94,8 +105,8 @@ def test_the_blas_warm_up_runs_a_backward_even_where_gradients_are_off():
 
 
 def test_a_planned_step_that_overflowed_makes_the_next_plan_keep_that_much_less(caplog):
-    """Only planned steps may overflow; one that did grows the margin by what it overflowed (and a
-    little), plans again, and the next step lays its activations out anew."""
+    """Every step may overflow. A planned one that did grows the margin by what it overflowed (and
+    a little), plans again, and the next step lays its activations out anew."""
     from um_alloc.planner.director import OVERFLOW_SLACK
 
     model = tiny_bert(dropout=0.0).float()
@@ -107,7 +118,7 @@ def test_a_planned_step_that_overflowed_makes_the_next_plan_keep_that_much_less(
     for _ in range(3):  # two safe steps, the plan's first step
         train_step(model, optimizer, ids, closed)
     allowed = [e[1] for e in arenas.events if isinstance(e, tuple)]
-    assert allowed == [0, 0, 300 << 20]
+    assert allowed == [300 << 20] * 3
     margin, first_plan = planner.margin, planner.plan
     arenas.overflowed = 40 << 20
     with caplog.at_level("WARNING", logger="um_alloc.planner"):
@@ -121,6 +132,28 @@ def test_a_planned_step_that_overflowed_makes_the_next_plan_keep_that_much_less(
     assert planner.to_dict()["overflowed_steps"] == 1 and planner.to_dict()["overflow_bytes"] == 300 << 20
 
 
+def test_a_measuring_step_that_overflowed_counts_what_it_needed_and_plans_within_the_least_plans_peak(caplog):
+    """The safe steps measure the plan that keeps least. One that overflowed needed the whole
+    budget backed and its overflow besides (live bytes understate that where backed chunks were
+    free but scattered): its calibration says so, and plans no larger than that one run on with
+    their excess in host memory. It counts as no planned step that overflowed."""
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "1GiB", overflow="300MiB")
+    model._recorded = arenas = planner._runtime.arenas = RecordedArenas()
+    ids, closed = torch.randint(0, 97, (4, 16)), []
+    train_step(model, optimizer, ids, closed)  # the first safe step
+    arenas.overflowed = 40 << 20
+    with caplog.at_level("INFO", logger="um_alloc.planner"):
+        train_step(model, optimizer, ids, closed)  # the second, which overflowed
+        assert "the measuring step overflowed 40.0 MiB to host memory" in caplog.text
+        train_step(model, optimizer, ids, closed)  # planned from it
+    assert planner.calibration.smallest_budget(0) >= (1 << 30) + (40 << 20)
+    assert "needs 40.0 MiB more than the 1.0 GiB budget holds" in caplog.text
+    assert planner.plan.made == WITHIN_LEAST and planner.overflowed_steps == 0
+    assert [t.plan.made for t in trials_of(planner).tried] == [WITHIN_LEAST, LEAST]
+
+
 def test_the_default_overflow_is_a_quarter_of_the_budget_and_at_least_a_gibibyte():
     from um_alloc.planner.director import default_margin, default_overflow
 
@@ -129,9 +162,12 @@ def test_the_default_overflow_is_a_quarter_of_the_budget_and_at_least_a_gibibyte
     assert default_margin(4 << 30) == 128 << 20
 
 
-def test_where_no_plan_leaves_room_for_what_overflowed_the_plan_that_keeps_least_runs_on(caplog):
-    """The margin grows only as far as the safe mode still fits; the plan that keeps least then
-    runs, its excess in host memory, and later overflows plan nothing again."""
+def test_where_no_plan_leaves_room_for_what_overflowed_plans_no_larger_than_the_least_run_and_it_is_tried(caplog):
+    """The margin grows only as far as the safe mode still fits; plans no larger than the one
+    that keeps least then run, their excess in host memory: the model's fastest and that one,
+    tried, the faster measured staying. Later overflows plan nothing again."""
+    from um_alloc.planner.trials import STEPS_PER_CANDIDATE
+
     model = tiny_bert(dropout=0.0).float()
     optimizer = torch.optim.AdamW(model.parameters())
     planner = BlockPlanner(model, "1GiB")
@@ -145,12 +181,73 @@ def test_where_no_plan_leaves_room_for_what_overflowed_the_plan_that_keeps_least
     with caplog.at_level("WARNING", logger="um_alloc.planner"):
         train_step(model, optimizer, ids, closed)
     assert planner.margin == most and "no plan leaves that much room" in caplog.text
+    trials = trials_of(planner)
+    assert [t.plan.made for t in trials.tried] == ["the model's fastest", LEAST]
+    assert all(t.plan.predicted_peak_bytes <= measured.smallest_peak() for t in trials.tried)
     arenas.overflowed = 64 << 20
-    train_step(model, optimizer, ids, closed)  # the plan that keeps least, overflowing again
-    least = planner.plan
-    assert least.predicted_peak_bytes == measured.smallest_peak()
-    train_step(model, optimizer, ids, closed)
-    assert planner.margin == most and planner.overflowed_steps == 2 and planner.plan is least
+    for _ in range(2 * STEPS_PER_CANDIDATE + 1):  # the first overflowing again, then both tried
+        train_step(model, optimizer, ids, closed)
+    assert trials.done and planner.plan is trials.chosen
+    assert planner.margin == most and planner.overflowed_steps == 2
+
+
+def test_where_the_margin_leaves_no_plan_room_it_is_cut_to_what_the_plan_that_keeps_least_leaves(caplog):
+    """The margin guards a plan against the pool's layout; where it alone keeps every plan out and
+    the pool can overflow, it shrinks rather than refusing a budget the safe steps trained in."""
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "2GiB", margin="512MiB")
+    model._recorded = planner._runtime.arenas = RecordedArenas()
+    in_use = [0]
+    planner._probe.live = lambda: in_use[0]  # the CPU has no pool: stand in for its live bytes
+    ids, closed = torch.randint(0, 97, (4, 16)), []
+    for _ in range(3):
+        train_step(model, optimizer, ids, closed)
+    in_use[0] = 7 << 28  # 1.75 GiB: with the 512 MiB margin, more than the 2 GiB budget leaves
+    with caplog.at_level("WARNING", logger="um_alloc.planner"):
+        train_step(model, optimizer, ids, closed)
+    room = (2 << 30) - planner.calibration.smallest_budget(0)
+    assert 0 < room <= 256 << 20 and planner.margin == room
+    assert f"margin cut to {format_size(room)}, what the plan that keeps least leaves" in caplog.text
+    assert planner.plan.predicted_peak_bytes <= planner.plan.limit_bytes
+    assert planner.plan.made == WITHIN_LEAST
+    planner.remove()
+
+
+def test_a_budget_the_plan_that_keeps_least_passes_within_the_overflow_trains_with_the_excess_in_host_memory(caplog):
+    """Where even the safe mode needs more than the budget, by no more than the overflow allowed,
+    plans no larger than it run on, the excess in host memory, instead of PlanInfeasible: the
+    model's fastest, tried against the plan that keeps least. Past the overflow, PlanInfeasible
+    as before."""
+    from um_alloc.planner import PlanInfeasible
+    from um_alloc.planner.planning import SAFE
+
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "2GiB")
+    assert planner.overflow == 1 << 30  # default_overflow: at least 1 GiB
+    model._recorded = planner._runtime.arenas = RecordedArenas()
+    in_use = [0]
+    planner._probe.live = lambda: in_use[0]
+    ids, closed = torch.randint(0, 97, (4, 16)), []
+    for _ in range(3):
+        train_step(model, optimizer, ids, closed)
+    in_use[0] = 9 << 28  # 2.25 GiB
+    with caplog.at_level("WARNING", logger="um_alloc.planner"):
+        train_step(model, optimizer, ids, closed)
+    excess = planner.calibration.smallest_budget(0) - (2 << 30)
+    assert 256 << 20 <= excess < 512 << 20
+    assert f"needs {format_size(excess)} more than the 2.0 GiB budget holds" in caplog.text
+    planned, least = (t.plan for t in trials_of(planner).tried)
+    assert planned is planner.plan and planned.made == WITHIN_LEAST and planner.margin == 0
+    assert planned.budget_bytes == 2 << 30 and planned.limit_bytes == planner.calibration.smallest_peak()
+    assert least.made == LEAST and least.decisions == tuple(SAFE[u.kind] for u in planner.calibration.units)
+    assert planned.predicted_peak_bytes <= least.predicted_peak_bytes  # it overflows no more
+    assert least.predicted_peak_bytes > least.limit_bytes == 2 << 30
+    in_use[0] = 13 << 28  # 3.25 GiB: 1.25 GiB past the budget, more than the overflow
+    with pytest.raises(PlanInfeasible, match=r"ask for 3.25GiB or more; a step may overflow only 1.0 GiB past"):
+        model(input_ids=ids, labels=ids)
+    planner.remove()
 
 
 def test_the_installed_policy_sets_the_overflow_and_an_argument_overrides_it(monkeypatch):

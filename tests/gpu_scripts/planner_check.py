@@ -4,6 +4,7 @@
     python tests/gpu_scripts/planner_check.py rebuild # the same, every block kept with its casts and GELU rebuilt
     python tests/gpu_scripts/planner_check.py oom     # a planned step runs out of memory, is replanned, trains
     python tests/gpu_scripts/planner_check.py overflow  # more than the budget: host memory, plain's losses
+    python tests/gpu_scripts/planner_check.py past_budget  # the safe mode itself passes the budget: it trains
     python tests/gpu_scripts/planner_check.py compiled # a ViT through torch.compile (inductor): plain's losses, closely
     python tests/gpu_scripts/planner_check.py lean    # the chunked cross-entropy against PyTorch's, bit for bit
     python tests/gpu_scripts/planner_check.py gpt2    # a loss of upcast logits, taken narrow: plain's losses
@@ -144,7 +145,7 @@ def one_node() -> dict:
 
 def oom() -> dict:
     model, optimizer = bert()
-    planner = um_alloc.plan(model, budget="2GiB", margin=0)
+    planner = um_alloc.plan(model, budget="2GiB", margin=0, overflow=0)  # the out-of-memory path itself
     hog = {"left": 1}
 
     def eat(module, args):  # once, in a planned step: more than the budget leaves
@@ -184,9 +185,10 @@ def overflow() -> dict:
         hog["left"] = 0
         # All the backing the budget has left, then more than any free run holds: new chunks.
         hold = torch.ones((budget - pool.device_backed()[0]) // (2 * MiB) * (2 * MiB), dtype=torch.uint8, device="cuda")
-        hog["over_bytes"] = pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB
-        over = torch.full((hog["over_bytes"],), 7, dtype=torch.uint8, device="cuda")
-        hog["over_host"] = pool.block_at(over.data_ptr()).residency == "host"
+        over = torch.full((pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB,), 7, dtype=torch.uint8,
+                          device="cuda")
+        hog["over_bytes"] = pool.raw_stats()["overflow_bytes"]  # its chunks the budget could not back
+        hog["over_host"] = pool.block_at(over.data_ptr() + over.numel() - 1).residency == "host"
         hog["over_ok"] = bool((over[:: 1 << 16] == 7).all()) and bool((hold[:: 1 << 16] == 1).all())
 
     handle = model.bert.encoder.layer[3].register_forward_pre_hook(need_more_than_the_budget)
@@ -202,6 +204,43 @@ def overflow() -> dict:
             "margin_after": planner.margin, "overflowed_steps": planner.overflowed_steps,
             "overflow_allocations": stats["overflow_allocations"], "num_ooms": stats["num_ooms"],
             "peak_gpu_backed_bytes": stats["peak_gpu_backed_bytes"], "budget_bytes": budget}
+
+
+def past_budget() -> dict:
+    """The measuring steps themselves need more than the 4 GiB hard budget holds: they overflow to
+    host memory instead of failing, their peaks count what overflowed, and the plan that keeps
+    least then runs on past the budget (the excess within the overflow) with plain training's
+    losses, where it would have been refused before."""
+    plain, plain_opt = bert()
+    model, optimizer = bert()
+    planner = um_alloc.plan(model, budget="4GiB", overflow="2GiB")
+    pool = um_alloc.ChunkPool.for_device(0)
+    budget = 4 << 30
+
+    def need_more_than_the_budget(module, args):  # in every measuring step
+        if planner.plan is None:
+            hold = torch.ones((budget - pool.device_backed()[0]) // (2 * MiB) * (2 * MiB), dtype=torch.uint8,
+                              device="cuda")
+            over = torch.full((pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB,), 7, dtype=torch.uint8,
+                              device="cuda")
+            del hold, over
+
+    handle = model.bert.encoder.layer[3].register_forward_pre_hook(need_more_than_the_budget)
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        losses["plain"].append(step(plain, plain_opt, ids, i))
+        losses["planned"].append(step(model, optimizer, ids, i))
+    handle.remove()
+    stats = um_alloc.memory_stats()
+    trials = planner._current_shape().trials
+    return {**losses, "made": planner.plan.made, "tried": [t.plan.made for t in trials.tried] if trials else [],
+            "plan": planner.plan.counts(), "safe_steps": planner.safe_steps,
+            "smallest_budget_bytes": planner.calibration.smallest_budget(0), "margin": planner.margin,
+            "overflowed_steps": planner.overflowed_steps, "overflow_allocations": stats["overflow_allocations"],
+            "num_ooms": stats["num_ooms"], "peak_gpu_backed_bytes": stats["peak_gpu_backed_bytes"],
+            "budget_bytes": budget}
 
 
 def failed() -> dict:
@@ -371,7 +410,7 @@ def large_batch() -> dict:
 
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
-         "overflow": overflow, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
+         "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
          "large_batch": large_batch, "failed": failed}
 
 if __name__ == "__main__":

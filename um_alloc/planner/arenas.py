@@ -45,6 +45,11 @@ class StepArenas:
         if self._pool is not None:
             self._pool.set_step_arenas(False)
 
+    @property
+    def can_overflow(self) -> bool:
+        """Whether a step's excess can go to host memory: only um_alloc's pool does that."""
+        return self._pool is not None
+
     def allow_overflow(self, nbytes: int) -> None:
         """Up to `nbytes` of the step's large requests that the hard budget refuses go to host
         memory the GPU maps instead of failing (ChunkPool.set_overflow); 0: none."""

@@ -26,14 +26,16 @@ another input.
 Troubleshooting:
 - "no repeated blocks found": the model has no ModuleList/Sequential of two or more modules of one
   class; name the block classes: ``plan(model, block_classes=["MyLayer"])``.
-- PlanInfeasible: the budget is below what the safe mode needs; the message gives the smallest
-  budget that fits, and a round one to ask for. Lower the batch, or keep optimizer state in host
+- PlanInfeasible: the budget is below what the safe mode needs, by more than the overflow below
+  (or, without um_alloc's pool, at all); the message gives the smallest budget that fits, and a
+  round one to ask for. Lower the batch, or keep optimizer state in host
   memory (host_optimizer.yaml). Raised before a step's forward also where memory in use between
   steps grew after the measuring steps (the optimizer's state made after them under gradient
   accumulation) and no plan fits with it: each step that begins with more in use plans again.
 - A plan that needs more than the budget holds: under um_alloc's hard budget the step's excess goes
   to host memory the GPU maps (up to ``overflow=``; slower, never a failed step), and the next steps
-  use a margin larger by that excess. Past the overflow, or without um_alloc, the step runs out of
+  use a margin larger by that excess. Where even the safe mode needs more than the budget, its plan
+  (the plan that keeps least) runs on that way: the budget trains, slower. Past the overflow, or without um_alloc, the step runs out of
   memory, and the next steps use a larger margin (``margin=`` sets the start).
 - Hugging Face models: ``use_cache`` is turned off in every config the model holds (an
   encoder-decoder's decoder has its own), as their own gradient checkpointing does, since a cache
@@ -118,13 +120,14 @@ class BlockPlanner:
         block_classes: class names of the blocks, where the search finds none or the wrong ones.
             Default: the installed policy's scheduler.block_classes, where it names any.
         margin: room left under the budget (default: a thirty-second of it, at most 512 MiB); grows
-            after a step that overflowed or ran out of memory.
-        overflow: under um_alloc's hard budget, bytes of a planned step's requests that the budget
-            refuses which go to host memory the GPU maps instead of failing the step (default: a
-            quarter of the budget, at least 1 GiB, where the installed policy's scheduler.overflow
-            says auto; 0: none, such a step runs out of memory). The step is slower, its kernels
-            reaching those bytes over the link, and the next steps plan with the margin grown by
-            them. The measuring steps never overflow.
+            after a step that overflowed or ran out of memory, shrinks where no plan fits with it.
+        overflow: under um_alloc's hard budget, bytes of a step's requests that the budget refuses
+            which go to host memory the GPU maps instead of failing the step (default: a quarter of
+            the budget, at least 1 GiB, where the installed policy's scheduler.overflow says auto;
+            0: none, such a step runs out of memory). The step is slower, its kernels reaching those
+            bytes over the link, and the next steps plan with the margin grown by them. Where even
+            the plan that keeps least needs more than the budget, and no more than this beyond it,
+            that plan runs with its excess in host memory instead of PlanInfeasible.
         window: bytes of copies back in flight ahead of backward (default: a sixteenth of the
             budget, at most 512 MiB). The safe mode holds them at its backward's peaks, so a window
             that is a large share of a small budget is what keeps the safe mode from fitting.
@@ -282,13 +285,13 @@ class BlockPlanner:
         one, any step after one that ran out of memory or overflowed), the step arenas the last
         layout left backed are given back first (arenas.py): its free chunks, scattered where the
         new layout wants other sizes, would otherwise hold budget that the new layout's requests
-        cannot use. A planned step may overflow to host memory; a measuring one may not, since
-        its peaks are what every plan is made from (one that runs out of memory is tried again)."""
+        cannot use. Every step may overflow to host memory, a measuring one too: the pool counts
+        overflowed bytes as live, so its peaks are still what the step asked of the GPU."""
         if safe or self._last_safe or self._lay_out_anew:
             released = self._runtime.arenas.release()
             if released:
                 log.info("planner: %s of free arenas given back for a new layout", format_size(released))
-        self._runtime.arenas.allow_overflow(0 if safe else self.overflow)
+        self._runtime.arenas.allow_overflow(self.overflow)
         self._last_safe, self._lay_out_anew = safe, False
 
     def _borrow(self, shape: _Shape) -> Plan | None:
@@ -344,8 +347,12 @@ class BlockPlanner:
     def end(self, step: Step, completed: bool) -> None:
         overflowed = self._runtime.arenas.overflow_peak()
         if completed:
-            if overflowed:
+            if overflowed and step.spec.recorder is None:
                 self.on_overflow(overflowed)
+            elif overflowed:  # the calibration counts what it needed (_close_calibration)
+                step.spec.recorder.overflowed_bytes = overflowed
+                log.info("planner: the measuring step overflowed %s to host memory; its times include the "
+                         "accesses over the link", format_size(overflowed))
             return
         self._pending = None
         ooms = self._probe.out_of_memory_count()
@@ -388,6 +395,8 @@ class BlockPlanner:
             link = self._link
         names = [(u.name, u.kind) for u in self.units] + [(REST, "gap")]
         cal = recorder.calibration(names, recorder.marks[-1].clock, link, self._reserved)
+        if recorder.overflowed_bytes:  # it needed the budget, all backed, and that much more
+            cal = cal.needing(self.budget + recorder.overflowed_bytes)
         shape.calibrated += 1
         if probed:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
@@ -415,6 +424,16 @@ class BlockPlanner:
         shape.plan, shape.trials = self._make(shape.calibration, allowed), None
         if self.strategy == "checkpoint":
             return
+        if self._overflow_settled:
+            # At the budget's edge a misjudged peak costs host memory every step, which no model
+            # predicts: the plan that keeps least, whose peak was measured, is tried against it
+            # (ResNet-50 under 8 GiB, one H200: at batch 640 the plan ran 990 ms a step, its
+            # predicted 7.2 GiB peak 8.1 GiB live, against the plan that keeps least's 670 ms).
+            least = self._least(shape.calibration)
+            if least.decisions != shape.plan.decisions:
+                shape.trials = PlanTrials([shape.plan, least], self.device)
+                log.info("planner: trying the plan that keeps least against it, %d steps each", shape.trials.steps)
+            return
         candidates = runners_up(shape.plan, functools.partial(self._make_or_none, shape.calibration), allowed,
                                 checkpointing_plan(shape.calibration, self.budget, margin_bytes=self.margin))
         if len(candidates) > 1:
@@ -428,9 +447,57 @@ class BlockPlanner:
             made = replace(evaluate(cal, forced, self.budget, margin_bytes=self.margin),
                            made="every block recomputed (strategy: checkpoint)")
         else:
-            made = self._best(cal, allowed)
+            made = self._fitting(cal, allowed)
         log.info("planner: %s", made.table().splitlines()[-1])
         return made
+
+    def _fitting(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
+        """The fastest plan within the budget less the margin. Where none fits and the pool can
+        overflow (um_alloc's hard budget), the fastest plan that needs no more of the GPU than the
+        plan that keeps least: the margin shrinks to what that plan leaves under the budget, and
+        where not even it fits, the plans its peak holds run anyway, their excess in host memory,
+        if that excess is within the overflow (the safe steps that measured it ran). The margin is
+        then settled: later overflows plan nothing again (on_overflow), and _plan_shape tries the
+        plan against the plan that keeps least."""
+        try:
+            return self._best(cal, allowed)
+        except PlanInfeasible as refused:
+            excess = cal.smallest_budget(0) - self.budget
+            if not self._runtime.arenas.can_overflow:
+                raise
+            if excess > self.overflow:
+                raise PlanInfeasible(f"{refused}; a step may overflow only {format_size(self.overflow)} past the "
+                                     f"budget to host memory (overflow=, scheduler.overflow)",
+                                     refused.smallest_bytes) from None
+        self.margin, self._overflow_settled = min(self.margin, max(-excess, 0)), True
+        if excess <= 0:
+            log.warning("planner: no plan fits the %s budget with its margin; margin cut to %s, what the plan that "
+                        "keeps least leaves. A step that needs more overflows to host memory (slower)",
+                        format_size(self.budget), format_size(self.margin))
+        else:
+            log.warning("planner: even the plan that keeps least (every block recomputed, activations in host "
+                        "memory) needs %s more than the %s budget holds: steps run plans that need no more, their "
+                        "excess in host memory the GPU reaches over the link (slower), up to the %s of overflow "
+                        "allowed. A budget of %s would hold it", format_size(excess), format_size(self.budget),
+                        format_size(self.overflow), format_size(cal.smallest_budget(0)))
+        return self._within_least(cal, allowed)
+
+    def _within_least(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
+        """The fastest plan whose predicted peak is no more than the plan that keeps least's, the
+        budget counted as at least that large: past the budget such plans overflow no more than it
+        does (ResNet-50's peak is in its first blocks' backward, where later blocks' inputs, kept
+        or not, are gone). The plan that keeps least where the grid's rounding leaves none."""
+        budget = max(self.budget, cal.smallest_budget(self.margin))
+        try:
+            plan = make_plan(cal, budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction, allowed=allowed)
+        except PlanInfeasible:
+            return self._least(cal)
+        return replace(plan, budget_bytes=self.budget, made="the model's fastest within the least plan's peak")
+
+    def _least(self, cal: Calibration) -> Plan:
+        """The plan that keeps least: the safe mode's decisions, whose peak the safe steps measured."""
+        least = tuple(SAFE[u.kind] for u in cal.units)
+        return replace(evaluate(cal, least, self.budget, margin_bytes=self.margin), made="the plan that keeps least")
 
     def _make_or_none(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan | None:
         try:
@@ -457,8 +524,9 @@ class BlockPlanner:
     def on_overflow(self, nbytes: int) -> None:
         """A planned step needed `nbytes` more than the budget held, which the pool put in host
         memory (the step ran, slower): keep that much less from now on, plan again. Where even the
-        plan that keeps least cannot leave that much room, it runs from now on with its excess in
-        host memory, and steps that overflow again change nothing."""
+        plan that keeps least cannot leave that much room, plans no larger than it run from now on
+        with their excess in host memory (the model's fastest, tried against the plan that keeps
+        least: _plan_shape), and steps that overflow again change nothing."""
         self.overflowed_steps += 1
         if self._overflow_settled:
             log.debug("planner: a step overflowed %s to host memory", format_size(nbytes))
@@ -474,8 +542,9 @@ class BlockPlanner:
         else:
             self._overflow_settled = True
             log.warning("planner: a step needed %s more than the %s budget holds, and no plan leaves that much room: "
-                        "from now on steps run the plan that keeps least, what passes the budget in host memory the "
-                        "GPU reaches over the link (slower). A budget about %s larger would hold it",
+                        "from now on steps run plans no larger than the one that keeps least (the model's fastest "
+                        "and that one, tried), what passes the budget in host memory the GPU reaches over the link "
+                        "(slower). A budget about %s larger would hold it",
                         format_size(nbytes), format_size(self.budget), format_size(wanted - most))
         self._plan_again()
 

@@ -212,6 +212,13 @@ class Calibration:
         segments = tuple(replace(s, peak_bytes=s.peak_bytes + extra_bytes) for s in self.segments)
         return replace(self, segments=segments, start_live_bytes=self.start_live_bytes + extra_bytes)
 
+    def needing(self, pool_bytes: int) -> "Calibration":
+        """This calibration where its step was seen to need `pool_bytes` of the pool at once: a
+        step the budget overflowed needed all of the budget backed and what went to host memory
+        besides, which live bytes alone understate where the budget's backed chunks were free
+        but scattered. What the allocator held beyond live bytes is at least the difference."""
+        return replace(self, fragmentation_bytes=max(self.fragmentation_bytes, pool_bytes - self.smallest_peak()))
+
     def base_step_s(self) -> float:
         """The step with everything kept. In the safe step each block ran its forward twice: once
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in

@@ -126,6 +126,7 @@ class StepRecorder:
         self.units = [_UnitSeen() for _ in range(n_units)]
         self._pairs: list[tuple[str, int, int, int]] = []  # (kind, unit, start mark, end mark)
         self._ops: list[tuple[int, object, object]] = []   # (unit, start, end) of kept ops
+        self.overflowed_bytes = 0  # the most the pool put in host memory at once, where the budget refused it
         self.probe.begin_step()
         self.start_live = self.probe.look()[0]
 
