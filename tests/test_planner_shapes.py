@@ -79,6 +79,30 @@ def test_every_step_trains_as_plain_autograd_whichever_plan_it_runs():
     planner.remove()
 
 
+def test_where_the_lenders_plan_without_rebuilds_fits_no_longer_its_borrowers_run_the_plan_that_keeps_least(
+        monkeypatch):
+    """A lender planned at the budget's edge (the margin cut to what the plan that keeps least
+    leaves) may have no plan without rebuilds that the grid fits: the inputs it holds then run
+    the plan that keeps least, not an error in their step."""
+    from um_alloc.planner import director
+
+    model = tiny_bert(dropout=0.0)
+    planner = BlockPlanner(model, "1GiB", decisions=["rebuild"])
+    for ids in batches([16, 16, 16]):
+        step(model, ids)
+    assert Decision.REBUILD in planner.plan.decisions
+
+    def none_fits(*args, **kwargs):
+        raise director.PlanInfeasible("stand-in: no plan fits", 0)
+
+    monkeypatch.setattr(director, "make_plan", none_fits)
+    (short,) = batches([12])
+    step(model, short)
+    assert planner.plan.made == "the plan that keeps least"
+    assert set(planner.plan.decisions) <= {Decision.RECOMPUTE_MOVED, Decision.MOVE}
+    planner.remove()
+
+
 def test_a_probed_step_of_another_input_gives_no_rebuilds(monkeypatch):
     """As under um_alloc run: the first step's keyword arguments are not seen, and it is counted for
     the next step's input, whose length differs here. The probes' figures are not that input's:

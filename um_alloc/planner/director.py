@@ -317,10 +317,12 @@ class BlockPlanner:
     def _lent(self, lender: _Shape) -> Plan:
         """The lender's plan as inputs it holds run it: its own where it rebuilds nothing, else its
         best plan without rebuilds (a rebuild's recipes hold for the lender's shapes only, and a
-        smaller input's kept saves may outweigh a larger one's rebuilt)."""
+        smaller input's kept saves may outweigh a larger one's rebuilt), or where none fits the
+        margin (a lender planned at the budget's edge: _fitting), the plan that keeps least."""
         if lender.lent is None or lender.lent[0] is not lender.plan:
-            if Decision.REBUILD in lender.plan.decisions:  # fits: the lender's own plan did, safe choices kept
-                plan = self._best(lender.calibration, self._allowed(lender) - {Decision.REBUILD})
+            if Decision.REBUILD in lender.plan.decisions:
+                plan = (self._make_or_none(lender.calibration, self._allowed(lender) - {Decision.REBUILD})
+                        or self._least(lender.calibration))
             else:  # an object of its own: measured_step_s times the steps of one plan object
                 plan = replace(lender.plan)
             lender.lent = (lender.plan, plan)
