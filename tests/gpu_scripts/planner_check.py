@@ -169,6 +169,25 @@ def oom() -> dict:
     return {"losses": losses, "retried": retried, "margin_before": margin, "margin_after": planner.margin}
 
 
+def past_the_budget(pool, budget: int) -> tuple:
+    """All the backing the hard budget has left, then more than any free run holds: a request
+    whose new chunks the budget refuses. Both tensors, the second partly in host memory."""
+    hold = torch.ones((budget - pool.device_backed()[0]) // (2 * MiB) * (2 * MiB), dtype=torch.uint8, device="cuda")
+    over = torch.full((pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB,), 7, dtype=torch.uint8, device="cuda")
+    return hold, over
+
+
+def six_steps_each(plain, planned) -> dict:
+    """Six steps of the same batches and seeds for each (model, optimizer) pair: their losses."""
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
+        losses["plain"].append(step(*plain, ids, i))
+        losses["planned"].append(step(*planned, ids, i))
+    return losses
+
+
 def overflow() -> dict:
     """A planned step needs more than the 4 GiB hard budget holds: the pool puts the excess in host
     memory the GPU maps, kernels write and read it there, the step trains as plain training does,
@@ -183,21 +202,14 @@ def overflow() -> dict:
         if not hog["left"] or planner.plan is None:
             return
         hog["left"] = 0
-        # All the backing the budget has left, then more than any free run holds: new chunks.
-        hold = torch.ones((budget - pool.device_backed()[0]) // (2 * MiB) * (2 * MiB), dtype=torch.uint8, device="cuda")
-        over = torch.full((pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB,), 7, dtype=torch.uint8,
-                          device="cuda")
+        hold, over = past_the_budget(pool, budget)
         hog["over_bytes"] = pool.raw_stats()["overflow_bytes"]  # its chunks the budget could not back
         hog["over_host"] = pool.block_at(over.data_ptr() + over.numel() - 1).residency == "host"
         hog["over_ok"] = bool((over[:: 1 << 16] == 7).all()) and bool((hold[:: 1 << 16] == 1).all())
 
     handle = model.bert.encoder.layer[3].register_forward_pre_hook(need_more_than_the_budget)
-    data = torch.Generator().manual_seed(1)
-    losses, margin = {"plain": [], "planned": []}, planner.margin
-    for i in range(6):
-        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
-        losses["plain"].append(step(plain, plain_opt, ids, i))
-        losses["planned"].append(step(model, optimizer, ids, i))
+    margin = planner.margin
+    losses = six_steps_each((plain, plain_opt), (model, optimizer))
     handle.remove()
     stats = um_alloc.memory_stats()
     return {**losses, **{k: hog.get(k) for k in ("over_ok", "over_host", "over_bytes")}, "margin_before": margin,
@@ -208,9 +220,9 @@ def overflow() -> dict:
 
 def past_budget() -> dict:
     """The measuring steps themselves need more than the 4 GiB hard budget holds: they overflow to
-    host memory instead of failing, their peaks count what overflowed, and the plan that keeps
-    least then runs on past the budget (the excess within the overflow) with plain training's
-    losses, where it would have been refused before."""
+    host memory instead of failing, their calibration counts what overflowed, and plans no larger
+    than the plan that keeps least then run past the budget (the excess within the overflow) with
+    plain training's losses, where the input would have been refused before."""
     plain, plain_opt = bert()
     model, optimizer = bert()
     planner = um_alloc.plan(model, budget="4GiB", overflow="2GiB")
@@ -219,19 +231,10 @@ def past_budget() -> dict:
 
     def need_more_than_the_budget(module, args):  # in every measuring step
         if planner.plan is None:
-            hold = torch.ones((budget - pool.device_backed()[0]) // (2 * MiB) * (2 * MiB), dtype=torch.uint8,
-                              device="cuda")
-            over = torch.full((pool.raw_stats()["largest_free_run_bytes"] + 2 * MiB,), 7, dtype=torch.uint8,
-                              device="cuda")
-            del hold, over
+            past_the_budget(pool, budget)
 
     handle = model.bert.encoder.layer[3].register_forward_pre_hook(need_more_than_the_budget)
-    data = torch.Generator().manual_seed(1)
-    losses = {"plain": [], "planned": []}
-    for i in range(6):
-        ids = torch.randint(5, 1024, (16, 128), generator=data).cuda()
-        losses["plain"].append(step(plain, plain_opt, ids, i))
-        losses["planned"].append(step(model, optimizer, ids, i))
+    losses = six_steps_each((plain, plain_opt), (model, optimizer))
     handle.remove()
     stats = um_alloc.memory_stats()
     trials = planner._current_shape().trials
