@@ -168,8 +168,9 @@ class ChunkPool {
   void set_budget(const BudgetConfig& budget);
   BudgetConfig budget() const;
   // Up to `bytes` of a step's large requests that a hard budget refuses go to host memory the GPU
-  // maps instead of failing (0: none, the default): a step whose plan misjudged its peak runs
-  // slower, over the link, rather than ending. Step arenas only: what outlasts a step never does.
+  // maps instead of failing (0: none, the default), of each only the chunks the budget cannot
+  // back (overflow_run): a step whose plan misjudged its peak runs slower, over the link, rather
+  // than ending. Step arenas only: what outlasts a step never does.
   void set_overflow(size_t bytes);
   // The peak of overflowed bytes live at once since the last call; the next call starts from now.
   uint64_t take_overflow_peak();

@@ -34,9 +34,10 @@ Troubleshooting:
   accumulation) and no plan fits with it: each step that begins with more in use plans again.
 - A plan that needs more than the budget holds: under um_alloc's hard budget the step's excess goes
   to host memory the GPU maps (up to ``overflow=``; slower, never a failed step), and the next steps
-  use a margin larger by that excess. Where even the safe mode needs more than the budget, its plan
-  (the plan that keeps least) runs on that way: the budget trains, slower. Past the overflow, or without um_alloc, the step runs out of
-  memory, and the next steps use a larger margin (``margin=`` sets the start).
+  use a margin larger by that excess. Where even the safe mode needs more than the budget, plans no
+  larger than it run on that way (the model's fastest, tried against the safe mode's own): the
+  budget trains, slower. Past the overflow, or without um_alloc, the step runs out of memory, and
+  the next steps use a larger margin (``margin=`` sets the start).
 - Hugging Face models: ``use_cache`` is turned off in every config the model holds (an
   encoder-decoder's decoder has its own), as their own gradient checkpointing does, since a cache
   would be written again by each recomputation; ``remove()`` turns it back on.
@@ -127,7 +128,7 @@ class BlockPlanner:
             0: none, such a step runs out of memory). The step is slower, its kernels reaching those
             bytes over the link, and the next steps plan with the margin grown by them. Where even
             the plan that keeps least needs more than the budget, and no more than this beyond it,
-            that plan runs with its excess in host memory instead of PlanInfeasible.
+            plans no larger than it run with their excess in host memory instead of PlanInfeasible.
         window: bytes of copies back in flight ahead of backward (default: a sixteenth of the
             budget, at most 512 MiB). The safe mode holds them at its backward's peaks, so a window
             that is a large share of a small budget is what keeps the safe mode from fitting.
