@@ -56,8 +56,8 @@ typedef struct {
    * GPU memory for such a range until cudaFree even after its pages leave (measured), so this,
    * not residency, is what NVML's used memory follows; a hard budget (evict_live=0) bounds it. */
   uint64_t backed_bytes, peak_backed_bytes;
-  /* A step's large requests the hard budget refused that went to host memory the GPU maps
-   * (um_pool_set_overflow): how many, the bytes live now, and their peak. */
+  /* A step's large requests the hard budget refused, which went partly to host memory the GPU
+   * maps (um_pool_set_overflow): how many, the bytes of them in host memory now, and their peak. */
   uint64_t overflow_allocations, overflow_bytes, peak_overflow_bytes;
 } um_stats;
 

@@ -88,7 +88,7 @@ class SchedulerSettings:
     block_classes: tuple[str, ...] = ()       # class names of the block planner's blocks, where
                                               # its search finds none or the wrong ones; empty:
                                               # the search (um_alloc.planner.blocks)
-    overflow: int | None = None               # bytes of a planned step's requests the hard budget
+    overflow: int | None = None               # bytes of a step's requests the hard budget
                                               # refuses that go to host memory instead of failing
                                               # the step; None = auto (a quarter of the budget, at
                                               # least 1 GiB), 0 = none (um_alloc.planner.director)

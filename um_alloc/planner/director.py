@@ -82,7 +82,7 @@ PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOV
 GROWTH_PLANNED_AGAIN = 64 << 20      # more in use as a step begins than a plan was measured with
 MAX_WINDOW = 512 << 20               # copies back in flight ahead of backward, at most (default_window)
 MAX_MARGIN = 512 << 20               # room left under the budget, at most (default_margin)
-MIN_OVERFLOW = 1 << 30               # host memory a planned step may overflow to, at least (default_overflow)
+MIN_OVERFLOW = 1 << 30               # host memory a step may overflow to, at least (default_overflow)
 OVERFLOW_SLACK = 64 << 20            # beyond what a step overflowed, what the margin grows by
 _KEEP_STARTS = 64                    # step start events kept for the measured step time
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, BlockPlanner]" = weakref.WeakKeyDictionary()
@@ -771,7 +771,7 @@ def default_margin(budget: int) -> int:
 
 
 def default_overflow(budget: int) -> int:
-    """Host memory a planned step may overflow to, by default: a quarter of the budget, at least 1 GiB."""
+    """Host memory a step may overflow to, by default: a quarter of the budget, at least 1 GiB."""
     return max(MIN_OVERFLOW, budget // 4)
 
 
