@@ -809,6 +809,30 @@ def test_of_a_request_the_hard_budget_refuses_only_what_it_cannot_back_overflows
     assert pool.raw_stats()["backed_bytes"] == 12 * MiB and pool.raw_stats()["overflow_allocations"] == 1
 
 
+def test_an_overflowed_window_keeps_its_backed_chunks_on_the_gpu_wherever_they_lie_in_it(make_pool):
+    """Backed and never-backed chunks alternate in the free window (an overflowed block freed
+    between two that were on the GPU): each stretch gets its own hints and residency."""
+    pool = make_pool(arena=16 * MiB)
+    pool.set_budget(6 * MiB, min_swap_size=1 * MiB, evict_live=False)
+    pool.set_overflow(64 * MiB)
+    lasting = pool.malloc(4 * MiB)
+    pool.set_step_arenas(True)
+    first = pool.malloc(2 * MiB)      # chunk 0 of a step arena: the budget is spent
+    second = pool.malloc(2 * MiB)     # chunk 1, in host memory
+    pool.free(lasting)                # its arena goes back when the budget next wants room
+    third, fourth = pool.malloc(2 * MiB), pool.malloc(2 * MiB)  # chunks 2 and 3, on the GPU
+    fifth = pool.malloc(2 * MiB)      # chunk 4, in host memory
+    assert [pool.block_at(p).residency for p in (first, second, third, fourth, fifth)] == \
+        ["gpu", "host", "gpu", "gpu", "host"]
+    for p in (first, second, third, fifth):
+        pool.free(p)                  # free: chunks 0-2 (backed, never backed, backed) and 4-7
+    window = pool.malloc(6 * MiB)
+    assert window == first
+    assert [pool.block_at(window + i * CHUNK).residency for i in range(3)] == ["gpu", "host", "gpu"]
+    s = pool.raw_stats()
+    assert (s["overflow_bytes"], s["backed_bytes"], s["peak_backed_bytes"]) == (2 * MiB, 6 * MiB, 6 * MiB)  # within budget
+
+
 def test_an_arena_holding_only_overflowed_host_memory_is_kept_when_the_budget_wants_room(make_pool):
     """Returning a wholly free arena the GPU never backed gives the budget nothing back; it would
     cost a cudaFree now and a new arena at the next overflow, every step."""
