@@ -492,7 +492,7 @@ class BlockPlanner:
         or not, are gone). The plan that keeps least where the grid's rounding leaves none."""
         budget = max(self.budget, cal.smallest_budget(self.margin))
         try:
-            plan = make_plan(cal, budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction, allowed=allowed)
+            plan = self._best(cal, allowed, budget)
         except PlanInfeasible:
             return self._least(cal)
         return replace(plan, budget_bytes=self.budget, made="the model's fastest within the least plan's peak")
@@ -508,9 +508,9 @@ class BlockPlanner:
         except PlanInfeasible:
             return None
 
-    def _best(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
-        """The fastest plan of `allowed` within the budget, less the margin (make_plan)."""
-        return make_plan(cal, self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
+    def _best(self, cal: Calibration, allowed: frozenset[Decision], budget: int | None = None) -> Plan:
+        """The fastest plan of `allowed` within the budget (or `budget`), less the margin (make_plan)."""
+        return make_plan(cal, budget or self.budget, margin_bytes=self.margin, hide_fraction=self.hide_fraction,
                          allowed=allowed)
 
     def on_out_of_memory(self) -> None:
