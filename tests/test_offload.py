@@ -386,6 +386,26 @@ def test_the_low_water_of_copies_back_ahead_of_use_is_what_stayed_on_the_device_
     offload.end_step()
 
 
+def test_a_copy_back_starts_as_soon_as_the_one_before_it_is_used_within_the_window():
+    """A recomputed block reads its moved input once, then reruns and runs its backward with
+    nothing more to unpack. The next input's copy starts then, under that compute, not when the
+    next block asks for it; one larger than the window waits for a block to ask."""
+    offload = ActivationOffload(None, window=2 * 64, min_bytes=0, device="cpu", rebuild=False)
+    offload.begin_step()
+    sizes = (16, 48, 16, 16)  # float32 elements: 64, 192 (larger than the window), 64, 64 bytes
+    entries = [offload.stash(torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+    offload.copy_ahead()                                    # backward reaches the last block
+    assert [e.gpu is not None for e in entries] == [False, False, True, True]
+    offload.unpack(entries[3])
+    offload.unpack(entries[2])                              # none in flight now
+    assert entries[1].gpu is None                           # too large for the window: not yet
+    assert torch.equal(offload.unpack(entries[1]), torch.full((48,), 1.0))  # asked for: it comes
+    assert entries[0].gpu is not None                       # and the next one follows at once
+    assert offload.stats.on_demand == 0
+    offload.unpack(entries[0])
+    offload.end_step()
+
+
 def test_a_slice_of_a_larger_tensor_comes_back_with_its_dimensions_in_the_same_order():
     """A tensor that is not dense (here a slice, transposed) is copied dense, its dimensions in
     the order of their strides, as torch.clone lays it out: a matmul in backward reads it

@@ -359,6 +359,10 @@ class ActivationOffload:
             packed.gpu = None
             self._inflight -= packed.nbytes
             self._ahead_low = min(self._ahead_low, self._inflight)
+            # The window has room again: the next copy runs under the compute that reads this
+            # one (a recomputed block's rerun and backward), not after it, when the next block
+            # asks. Only within the window: a copy larger than it waits for a block to ask.
+            self._copy_ahead(within_window=True)
         return tensor
 
     def _start_backward(self) -> None:
@@ -550,13 +554,16 @@ class ActivationOffload:
         self._inflight += packed.nbytes
         self.stats.in_bytes += packed.nbytes
 
-    def _copy_ahead(self) -> None:
+    def _copy_ahead(self, within_window: bool = False) -> None:
         """Starts copies back in reverse save order while the window has room: `window` bytes,
-        and the bytes of kept tensors backward is done with, as the step's peak counted them."""
+        and the bytes of kept tensors backward is done with, as the step's peak counted them.
+        With none in flight, one larger than the window starts too (backward asks for it), unless
+        `within_window`."""
         while self._cursor >= 0:
             packed = self._offloaded[self._cursor]
             if packed.gpu is None and packed.uses > 0 and not packed.check:  # checks rebuild
-                if self._inflight + packed.nbytes > self.window + self._lent and self._inflight > 0:
+                if self._inflight + packed.nbytes > self.window + self._lent and \
+                        (self._inflight > 0 or within_window):
                     return
                 self._copy_in(packed)
             self._cursor -= 1
