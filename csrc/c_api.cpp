@@ -151,6 +151,8 @@ void um_pool_device_held(um_pool* pool, uint64_t* held, uint64_t* peak) {
 
 void um_pool_reset_device_peak(um_pool* pool) { pool->pool->reset_device_peak(); }
 
+void um_pool_reset_peaks(um_pool* pool) { pool->pool->reset_peaks(); }
+
 void um_pool_set_overflow(um_pool* pool, size_t bytes) { pool->pool->set_overflow(bytes); }
 uint64_t um_pool_take_overflow_peak(um_pool* pool) { return pool->pool->take_overflow_peak(); }
 

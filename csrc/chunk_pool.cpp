@@ -722,6 +722,13 @@ void ChunkPool::reset_device_peak() {
   device_live_.held_peak = device_live_.held;
 }
 
+void ChunkPool::reset_peaks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int t = 0; t < kNumTags; ++t) stats_.peak_live_bytes[t] = stats_.live_bytes[t];
+  stats_.peak_live_bytes_total = stats_.live_bytes_total;
+  stats_.peak_reserved_bytes = stats_.reserved_bytes;
+}
+
 um_stats ChunkPool::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   um_stats s = stats_;

@@ -164,6 +164,8 @@ class ChunkPool {
   // since the last reset_device_peak(): the planner reads these around each block of a step.
   DeviceLive device_live() const;
   void reset_device_peak();
+  // The peaks stats() reports of live and reserved bytes, from the bytes now (not the above).
+  void reset_peaks();
   void set_tag_policy(Tag tag, const TagPolicy& policy);
   void set_budget(const BudgetConfig& budget);
   BudgetConfig budget() const;

@@ -80,6 +80,9 @@ size_t um_pool_migrate(um_pool* pool, const void* ptr, int to_gpu, void* stream)
 size_t um_pool_ranges_for_tag(um_pool* pool, int tag, um_range* out, size_t capacity);
 size_t um_pool_empty_cache(um_pool* pool);
 void um_pool_stats(um_pool* pool, um_stats* out);
+/* Starts the peaks of live bytes (per tag and in all) and of reserved bytes over from the bytes
+ * now: torch.cuda.reset_peak_memory_stats() under um_alloc (torch_stats.py). */
+void um_pool_reset_peaks(um_pool* pool);
 /* Live bytes of tags that are not host-mapped (kept in GPU memory), and their peak since the last
  * um_pool_reset_device_peak; cheaper than um_pool_stats, for reading around each block of a step. */
 void um_pool_device_live(um_pool* pool, uint64_t* live, uint64_t* peak);

@@ -76,6 +76,16 @@ def test_empty_cache_returns_free_arenas(cuda_device):
     assert found["summary_has_tags"]
 
 
+def test_pytorchs_memory_statistics_answer_from_the_pool(cuda_device):
+    found = check("torch_memory_stats")
+    assert found["allocated"] == found["pool_live"] >= 320 * MiB
+    assert found["after_free"] == found["allocated"] - 256 * MiB
+    assert found["peak"] >= found["allocated"]
+    assert found["reserved"] == found["pool_reserved"] >= found["allocated"]
+    assert found["peak_after_reset"] == found["after_free"]
+    assert found["summary"] and found["stats_keys"] > 50
+
+
 def test_install_after_cuda_work_says_how_to_fix_it(cuda_device):
     error = check("install_after_cuda")["error"]
     assert error and "before any CUDA work" in error and "top of your script" in error

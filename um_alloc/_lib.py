@@ -58,6 +58,7 @@ _SIGNATURES = {
     "um_pool_stats": (None, [_P, ctypes.POINTER(StatsC)]),
     "um_pool_device_live": (None, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
     "um_pool_reset_device_peak": (None, [_P]),
+    "um_pool_reset_peaks": (None, [_P]),
     "um_pool_device_backed": (None, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
     "um_pool_device_held": (None, [_P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]),
     "um_pool_set_tag_policy": (_I, [_P, _I, TagPolicyC]),

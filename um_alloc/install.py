@@ -22,6 +22,7 @@ from .policy import Policy, load_policy, validate_for_device, with_budget, with_
 from .pool import ChunkPool, tag_policy_struct
 from .ranks import ChosenDevice, choose_device
 from .sizes import format_size
+from .torch_stats import answer_torch_memory_stats
 from .tag_names import TAGS
 
 NO_CAP = 2**64 - 1
@@ -104,6 +105,7 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
                         memory.free_bytes, memory.used_bytes, installed_by=installed_by)
     _configure_core(made)
     _allocator = _swap_torch_allocator()
+    answer_torch_memory_stats()  # torch.cuda.memory_allocated() and the rest, from the pool
     refuse_cuda_graphs()
     _installation = made
     return _installation

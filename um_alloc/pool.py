@@ -172,6 +172,11 @@ class ChunkPool:
         self._lib.um_pool_device_held(self._handle, ctypes.byref(held), ctypes.byref(peak))
         return held.value, peak.value
 
+    def reset_peaks(self) -> None:
+        """Starts raw_stats()'s peaks of live bytes (per tag and in all) and of reserved bytes over
+        from the bytes now, as torch.cuda.reset_peak_memory_stats() does PyTorch's."""
+        self._lib.um_pool_reset_peaks(self._handle)
+
     def reset_device_peak(self) -> None:
         """Starts device_live()'s, device_backed()'s and device_held()'s peaks over from the bytes now."""
         self._lib.um_pool_reset_device_peak(self._handle)

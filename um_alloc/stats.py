@@ -1,8 +1,8 @@
 """Memory statistics of the installed allocator.
 
-PyTorch's torch.cuda.memory_stats() raises under a pluggable allocator, so um_alloc reports its
-own: live, peak and held bytes per tag, reserved bytes, fragmentation and its bound, and the
-calls the pool made to the driver.
+um_alloc's own figures: live, peak and held bytes per tag, reserved bytes, fragmentation and its
+bound, and the calls the pool made to the driver. PyTorch's torch.cuda.memory_stats() and its
+kin answer from the same pool (torch_stats.py).
 """
 from __future__ import annotations
 

@@ -130,6 +130,24 @@ def check_empty_cache_and_stats():
             "summary_has_tags": all(t in summary for t in um_alloc.TAGS)}
 
 
+def check_torch_memory_stats():
+    """PyTorch's own statistics calls, which raise under a bare pluggable allocator, answered by
+    the pool: what a training script logs."""
+    um_alloc.install("none.yaml")
+    x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    found = {"allocated": torch.cuda.memory_allocated(), "pool_live": um_alloc.memory_stats()["live_bytes"]}
+    del x
+    found.update(after_free=torch.cuda.memory_allocated(), peak=torch.cuda.max_memory_allocated(),
+                 reserved=torch.cuda.memory_reserved(), pool_reserved=um_alloc.memory_stats()["reserved_bytes"])
+    torch.cuda.reset_peak_memory_stats()
+    found.update(peak_after_reset=torch.cuda.max_memory_allocated(),
+                 summary="Allocated memory" in torch.cuda.memory_summary(),
+                 stats_keys=len(torch.cuda.memory_stats()))
+    del y
+    return found
+
+
 def check_lms_controls():
     """The LMS-style functions read and write the pool's budget settings (here the reactive mode's,
     which evicts to keep 128 MiB of tensors under a 64 MiB limit)."""
