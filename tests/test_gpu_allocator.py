@@ -86,6 +86,12 @@ def test_pytorchs_memory_statistics_answer_from_the_pool(cuda_device):
     assert found["summary"] and found["stats_keys"] > 50
 
 
+def test_a_script_that_turns_cudnn_benchmark_on_trains_its_convolutions(cuda_device):
+    found = check("cudnn_benchmark")
+    assert found["warned"] and found["benchmark"] is False
+    assert len(found["losses"]) == 2 and all(loss > 0 for loss in found["losses"])
+
+
 def test_install_after_cuda_work_says_how_to_fix_it(cuda_device):
     error = check("install_after_cuda")["error"]
     assert error and "before any CUDA work" in error and "top of your script" in error

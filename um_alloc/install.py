@@ -16,6 +16,7 @@ import torch
 
 from . import _lib
 from .device_info import DeviceMemory, device_memory, visible_device_count, visible_devices_note
+from .cudnn_benchmark import keep_cudnn_benchmark_off
 from .errors import At, PolicyError
 from .graphs import refuse_cuda_graphs
 from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
@@ -107,6 +108,7 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     _allocator = _swap_torch_allocator()
     answer_torch_memory_stats()  # torch.cuda.memory_allocated() and the rest, from the pool
     refuse_cuda_graphs()
+    keep_cudnn_benchmark_off()  # cuDNN's benchmark asks the allocator what a pluggable one cannot say
     _installation = made
     return _installation
 

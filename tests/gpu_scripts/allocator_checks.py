@@ -148,6 +148,28 @@ def check_torch_memory_stats():
     return found
 
 
+def check_cudnn_benchmark():
+    """A script that turns cuDNN's benchmark mode on trains its convolutions (the mode stays off,
+    with a warning): with it on, each would raise for want of the allocator's cacheInfo."""
+    import warnings
+
+    um_alloc.install("none.yaml")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.backends.cudnn.benchmark = True
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 7, 2, 3), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 16, 3, 1, 1)).cuda()
+    images = torch.randn(8, 3, 64, 64, device="cuda")
+    losses = []
+    for dtype in (None, torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(images).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return {"warned": any("stays off" in str(w.message) for w in caught),
+            "benchmark": torch.backends.cudnn.benchmark, "losses": losses}
+
+
 def check_lms_controls():
     """The LMS-style functions read and write the pool's budget settings (here the reactive mode's,
     which evicts to keep 128 MiB of tensors under a 64 MiB limit)."""
