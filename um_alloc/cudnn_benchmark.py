@@ -30,8 +30,10 @@ def keep_cudnn_benchmark_off() -> None:
     if getattr(setter, "keeps_benchmark_off", False):
         return
     off = _off_instead_of(setter)
-    torch._C._set_cudnn_benchmark = off                        # torch.backends.cudnn.flags(...)
-    type(torch.backends.cudnn).__dict__["benchmark"].setter = off  # torch.backends.cudnn.benchmark = ...
+    torch._C._set_cudnn_benchmark = off  # torch.backends.cudnn.flags(...)
+    attribute = type(torch.backends.cudnn).__dict__.get("benchmark")  # a ContextProp since PyTorch 1.x
+    if hasattr(attribute, "setter"):
+        attribute.setter = off           # torch.backends.cudnn.benchmark = ...
     if torch._C._get_cudnn_benchmark():
         off(True)
 
