@@ -15,16 +15,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import _lib
-from .device_info import DeviceMemory, device_memory, visible_device_count, visible_devices_note
 from .cudnn_benchmark import keep_cudnn_benchmark_off
+from .device_info import DeviceMemory, device_memory, visible_device_count, visible_devices_note
 from .errors import At, PolicyError
 from .graphs import refuse_cuda_graphs
 from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
 from .pool import ChunkPool, tag_policy_struct
 from .ranks import ChosenDevice, choose_device
 from .sizes import format_size
-from .torch_stats import answer_torch_memory_stats
 from .tag_names import TAGS
+from .torch_stats import answer_torch_memory_stats
 
 NO_CAP = 2**64 - 1
 
