@@ -149,8 +149,9 @@ def fake_gpu_node(patch):
     """Makes um_alloc.install() work as on a node of two GPUs (FAKE_GPUS: 80 and 48 GiB, seen through a
     stand-in for NVML) on a machine without one, through `patch` (a pytest.MonkeyPatch): the policy,
     budget and device checks run, and so do the device count and the memory lookup; CUDA, the
-    core's configuration and PyTorch's allocator swap do not. The memory report is a stand-in (the
-    pool's statistics need a GPU). Returns the list of devices whose memory install() read."""
+    core's configuration, PyTorch's allocator swap and what install() changes in torch._C do not.
+    The memory report is a stand-in (the pool's statistics need a GPU). Returns the list of
+    devices whose memory install() read."""
     import importlib
     import sys
 
@@ -164,6 +165,8 @@ def fake_gpu_node(patch):
     patch.setattr(install_module, "_configure_core", lambda made: None)
     patch.setattr(install_module, "_swap_torch_allocator", lambda: None)
     patch.setattr(install_module, "refuse_cuda_graphs", lambda: None)
+    patch.setattr(install_module, "answer_torch_memory_stats", lambda: None)  # torch._C stays PyTorch's
+    patch.setattr(install_module, "keep_cudnn_benchmark_off", lambda: None)
     patch.setattr(attach, "memory_stats", lambda: {"live_bytes": 0})
     patch.setattr(attach, "memory_summary", lambda: "um_alloc memory summary (stand-in)")
     return nvml.memory_asked
