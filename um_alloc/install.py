@@ -19,6 +19,7 @@ from .cudnn_benchmark import keep_cudnn_benchmark_off
 from .device_info import DeviceMemory, device_memory, visible_device_count, visible_devices_note
 from .errors import At, PolicyError
 from .graphs import refuse_cuda_graphs
+from .memory_fraction import warn_on_memory_fraction
 from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
 from .pool import ChunkPool, tag_policy_struct
 from .ranks import ChosenDevice, choose_device
@@ -109,6 +110,7 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     answer_torch_memory_stats()  # torch.cuda.memory_allocated() and the rest, from the pool
     refuse_cuda_graphs()
     keep_cudnn_benchmark_off()  # cuDNN's benchmark asks the allocator what a pluggable one cannot say
+    warn_on_memory_fraction()  # a pluggable allocator drops the fraction: say so, and what bounds memory
     _installation = made
     return _installation
 
