@@ -9,7 +9,10 @@ under ``python -m um_alloc run``.
 
 Models (MODELS): llama (a 24-layer decoder with grouped-query attention and a SwiGLU MLP, ~330M
 parameters), t5 (an encoder-decoder of 12 + 12 layers, gated-GELU feed-forward as T5 v1.1 and
-Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M), gpt2 (GPT-2-medium, ~355M), and
+Flan-T5, ~250M), vit (ViT-Base/16 at 224x224, 1000 classes, ~86M), gpt2 (GPT-2-medium, ~355M), opt
+(OPT-350M's shape), neox (GPT-NeoX's parallel attention and MLP at 24 layers of width 1024), qwen2 (a
+24-layer Qwen2 with a 151,936-token vocabulary, tied embeddings), bloom (BLOOM's ALiBi at 24 layers of
+width 1024, a 250,880-token vocabulary), bart (BART-base: 6 + 6 layers, 512 tokens in, 256 out), and
 models that are not Hugging Face's, whose loss the loop computes: encoder (a language model on
 PyTorch's own nn.TransformerEncoder, 24 pre-norm layers of width 1024, its cross-entropy taken over
 fp32 logits, ~370M), convnext and swin (torchvision's ConvNeXt-T, with stochastic depth, and
@@ -106,6 +109,56 @@ def _gpt2(tiny: bool):
     return GPT2LMHeadModel(GPT2Config(use_cache=False, **size))
 
 
+def _opt(tiny: bool):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    size = (dict(vocab_size=97, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=2,
+                 num_attention_heads=2, max_position_embeddings=16) if tiny else
+            dict(hidden_size=1024, word_embed_proj_dim=1024, ffn_dim=4096, num_hidden_layers=24,
+                 num_attention_heads=16, max_position_embeddings=2048))
+    return OPTForCausalLM(OPTConfig(use_cache=False, **size))
+
+
+def _neox(tiny: bool):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    size = (dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 max_position_embeddings=16) if tiny else
+            dict(vocab_size=50432, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                 num_attention_heads=16, max_position_embeddings=2048))
+    return GPTNeoXForCausalLM(GPTNeoXConfig(use_cache=False, **size))
+
+
+def _qwen2(tiny: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    size = (dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1) if tiny else
+            dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                 num_attention_heads=16, num_key_value_heads=4))
+    return Qwen2ForCausalLM(Qwen2Config(max_position_embeddings=2048, tie_word_embeddings=True, use_cache=False,
+                                        **size))
+
+
+def _bloom(tiny: bool):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    size = (dict(vocab_size=97, hidden_size=32, n_layer=2, n_head=2) if tiny else
+            dict(vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16))
+    return BloomForCausalLM(BloomConfig(use_cache=False, **size))
+
+
+def _bart(tiny: bool):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    size = (dict(vocab_size=97, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16)
+            if tiny else
+            dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                 decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072))
+    return BartForConditionalGeneration(BartConfig(use_cache=False, **size))
+
+
 class TokenEncoder(torch.nn.Module):
     """A language model as PyTorch alone builds it: embeddings, nn.TransformerEncoder (pre-norm,
     GELU, dropout 0.1), a head; the loop takes the loss."""
@@ -190,6 +243,20 @@ def _gpt2_batch(batch: int, tiny: bool, generator) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
+def _causal_batch(vocab: int) -> Callable[..., dict]:
+    """A decoder's batch of 1024 tokens (16 tiny), its labels the tokens themselves."""
+    def make(batch: int, tiny: bool, generator) -> dict:
+        ids = _tokens(97 if tiny else vocab, (batch, 16 if tiny else 1024), generator)
+        return {"input_ids": ids, "labels": ids}
+    return make
+
+
+def _bart_batch(batch: int, tiny: bool, generator) -> dict:
+    vocab = 97 if tiny else 50265
+    return {"input_ids": _tokens(vocab, (batch, 16 if tiny else 512), generator),
+            "labels": _tokens(vocab, (batch, 8 if tiny else 256), generator)}
+
+
 def _encoder_batch(batch: int, tiny: bool, generator) -> dict:
     return {"tokens": _tokens(97 if tiny else 32000, (batch, 16 if tiny else 512), generator)}
 
@@ -204,6 +271,11 @@ MODELS = {
     "t5": ZooModel(_t5, 32, _t5_batch, "512 tokens in, 128 out", "input_ids"),
     "vit": ZooModel(_vit, 128, _vit_batch, "a 224x224 image"),
     "gpt2": ZooModel(_gpt2, 8, _gpt2_batch, "a sequence of 1024 tokens", "input_ids"),
+    "opt": ZooModel(_opt, 8, _causal_batch(50272), "a sequence of 1024 tokens", "input_ids"),
+    "neox": ZooModel(_neox, 8, _causal_batch(50432), "a sequence of 1024 tokens", "input_ids"),
+    "qwen2": ZooModel(_qwen2, 8, _causal_batch(151936), "a sequence of 1024 tokens", "input_ids"),
+    "bloom": ZooModel(_bloom, 4, _causal_batch(250880), "a sequence of 1024 tokens", "input_ids"),
+    "bart": ZooModel(_bart, 24, _bart_batch, "512 tokens in, 256 out", "input_ids"),
     "encoder": ZooModel(_encoder, 16, _encoder_batch, "a sequence of 512 tokens", "tokens", loss=_next_token_loss,
                         layers=lambda model: list(model.encoder.layers)),
     "convnext": ZooModel(_torchvision("convnext_tiny"), 192, _image_batch, "a 224x224 image", loss=_image_loss,

@@ -19,7 +19,8 @@ import zoo_train  # noqa: E402
 pytest.importorskip("transformers")
 
 GiB = 1 << 30
-LAYERS = {"llama": 2, "t5": 4, "vit": 2, "gpt2": 2, "encoder": 2}  # t5: two encoder and two decoder blocks
+LAYERS = {"llama": 2, "t5": 4, "vit": 2, "gpt2": 2, "encoder": 2, "opt": 2, "neox": 2, "qwen2": 2, "bloom": 2,
+          "bart": 2}  # t5: two encoder and two decoder blocks; bart: one of each
 TINY = sorted(LAYERS)  # torchvision's models (convnext, swin) have no tiny version
 
 
