@@ -5,7 +5,7 @@ import pytest
 
 from um_alloc.planner.planning import (SAFE, Calibration, Decision, PlanInfeasible, Segment, UnitCost, evaluate,
                                        make_plan, pool_repeats)
-from um_alloc.sizes import parse_size, size_text
+from um_alloc.sizes import format_size, parse_size, size_text
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -204,6 +204,17 @@ def test_a_forced_plan_is_evaluated_as_given():
     assert plan.decisions == forced
     assert plan.predicted_step_s == pytest.approx(cal.base_step_s() + 8 * 2e-3)
     assert "recompute" in plan.table() and plan.to_dict()["decisions"] == {"keep": 2, "recompute": 8}
+
+
+def test_the_table_says_how_far_a_plan_run_past_its_limit_passes_it():
+    cal = transformer()
+    plan = evaluate(cal, tuple(Decision.KEEP for _ in cal.units), 16 * GiB)
+    within = replace(plan, limit_bytes=plan.predicted_peak_bytes)
+    past = replace(plan, limit_bytes=plan.predicted_peak_bytes - GiB)
+    assert f"peak {format_size(plan.predicted_peak_bytes)} of {format_size(plan.predicted_peak_bytes)} (budget 16.0 GiB)" \
+        in within.table()
+    assert f"peak {format_size(plan.predicted_peak_bytes)}, 1.0 GiB past its limit of " \
+           f"{format_size(plan.predicted_peak_bytes - GiB)} (budget 16.0 GiB)" in past.table()
 
 
 def test_a_large_unit_held_only_late_leaves_the_earlier_units_their_room():

@@ -316,6 +316,16 @@ class Plan:
                 "predicted_step_s": self.predicted_step_s, "predicted_peak_bytes": self.predicted_peak_bytes,
                 "moved_bytes": self.moved_bytes, "decisions": self.counts(), "units": self.rows()}
 
+    def _peak_text(self) -> str:
+        """The predicted peak against the limit the plan was made for (the budget less the margin and
+        what the allocator held beyond live bytes); a plan run past the budget passes it."""
+        peak, limit = format_size(self.predicted_peak_bytes), format_size(self.limit_bytes)
+        budget = format_size(self.budget_bytes)
+        if self.predicted_peak_bytes <= self.limit_bytes:
+            return f"{peak} of {limit} (budget {budget})"
+        over = format_size(self.predicted_peak_bytes - self.limit_bytes)
+        return f"{peak}, {over} past its limit of {limit} (budget {budget})"
+
     def table(self) -> str:
         """One row per unit: decision, bytes kept and moved, predicted ms; then the totals."""
         head = f"{'unit':<34}{'decision':<17}{'kept':>11}{'moved':>11}{'fwd ms':>8}{'+ms':>7}"
@@ -324,9 +334,8 @@ class Plan:
             lines.append(f"{r['unit'][-33:]:<34}{r['decision']:<17}{format_size(r['retained_bytes']):>11}"
                          f"{format_size(r['moved_bytes']):>11}{r['forward_ms']:>8.2f}{r['cost_ms']:>7.2f}")
         lines.append("-" * len(head))
-        lines.append(f"predicted step {1e3 * self.predicted_step_s:.1f} ms, peak "
-                     f"{format_size(self.predicted_peak_bytes)} of {format_size(self.limit_bytes)} "
-                     f"(budget {format_size(self.budget_bytes)}), moved {format_size(self.moved_bytes)} each way; "
+        lines.append(f"predicted step {1e3 * self.predicted_step_s:.1f} ms, peak {self._peak_text()}, moved "
+                     f"{format_size(self.moved_bytes)} each way; "
                      + ", ".join(f"{n} {k}" for k, n in self.counts().items()))
         return "\n".join(lines)
 
