@@ -21,7 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from profile_offload import gpu_events, kind_of
+
 BUCKET_US = 10_000.0
+SHOWN = {"kernel": "kernel", "DtoH": "out", "HtoD": "back"}  # profile_offload's kinds, as the table names them
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,26 +40,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def kind(event: dict) -> str:
-    """kernel, out (device to host), back (host to device) or other, from a trace event."""
-    if event["cat"] == "kernel":
-        return "kernel"
-    name = event["name"]
-    if "DtoH" in name or "Device -> Pinned" in name or "Device -> Pageable" in name:
-        return "out"
-    if "HtoD" in name or "-> Device" in name:
-        return "back"
-    return "other"
-
-
 def stretches(events: list[dict]) -> dict:
     """Per 10 ms stretch of the traced span, the busy time of each kind, and their totals (ms)."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu = gpu_events({"traceEvents": events})
     start = min(e["ts"] for e in gpu)
     span = max(e["ts"] + e["dur"] for e in gpu) - start
     busy = {k: [0.0] * (int(span // BUCKET_US) + 1) for k in ("kernel", "out", "back", "other")}
     for e in gpu:
-        at, end, row = e["ts"] - start, e["ts"] - start + e["dur"], busy[kind(e)]
+        at, end, row = e["ts"] - start, e["ts"] - start + e["dur"], busy[SHOWN.get(kind_of(e), "other")]
         while at < end:
             cut = min(end, (int(at // BUCKET_US) + 1) * BUCKET_US)
             row[int(at // BUCKET_US)] += cut - at

@@ -88,5 +88,5 @@ def _reset_accumulated(device: int) -> None:
 
 
 def _pool(device: int) -> ChunkPool:
-    """The pool of `device`; PyTorch passes the current device's index for None."""
-    return ChunkPool.for_device(torch.cuda.current_device() if device is None or device < 0 else device)
+    """The pool of `device` (PyTorch resolves None to the current device's index before calling)."""
+    return ChunkPool.for_device(device)
