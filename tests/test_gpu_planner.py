@@ -71,9 +71,10 @@ def test_chunked_cross_entropy_is_pytorchs_bit_for_bit(cuda_device):
     for case, seen in result["cases"].items():
         assert seen["loss_equal"] and seen["grad_equal"], (case, seen)
         assert seen.get("took_narrow", True), case  # upcast logits: the chunks read the narrow ones
-    # fp32 losses of fp32, bf16 and fp16 logits: backward's log-probabilities came by subtraction,
-    # and the fused gradient was compared with PyTorch's (used, where it matched, in the cases above).
-    assert len(result["subtracted"]) == 3 and len(result["compared_fused"]) == 3, result
+    # fp32 losses of fp32, bf16 and fp16 logits and of bf16 logits plus an fp32 bias: backward's
+    # log-probabilities came by subtraction, and the fused gradient was compared with PyTorch's
+    # (used, where it matched, in the cases above).
+    assert len(result["subtracted"]) == 4 and len(result["compared_fused"]) == 4, result
 
 
 def test_a_language_models_upcast_logits_are_taken_narrow_with_plain_trainings_losses(cuda_device):

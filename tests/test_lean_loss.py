@@ -137,6 +137,36 @@ def test_a_planned_models_loss_is_chunked_with_plain_gradients(make, upcasts):
     assert torch._C._len_torch_function_stack() == 0  # the mode left with the forward
 
 
+def tiny_bart():
+    config = transformers.BartConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(config).train()
+    with torch.no_grad():
+        model.final_logits_bias.normal_()  # zeros at first; the sum would hide a wrong bias
+    return model
+
+
+def test_bart_under_autocast_gives_its_loss_the_bf16_logits_and_the_fp32_bias():
+    """Under autocast BART's head makes bf16 logits and adds its fp32 ``final_logits_bias``: fp32
+    logits, which the chunks take as the bf16 product and the bias, with plain autograd's gradients."""
+    model = tiny_bart()
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_loss, plain = gradients(model, ids)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
+                      window=1 << 20, min_bytes=1)
+    runtime.lean_loss.min_bytes = 0
+    runtime.attach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, planned = gradients(model, ids)
+    runtime.detach()
+    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == 1
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
+
+
 def upcast_logits(dtype, rows=300, classes=211):
     """Narrow logits as a model's head makes them, and a target, as in transformers' loss: the
     logits upcast, then flattened."""
@@ -235,6 +265,80 @@ def test_views_as_another_dtype_and_narrowing_casts_stay_plain():
         F.cross_entropy(logits.to(torch.bfloat16).view(-1, logits.size(-1)), target)
     assert mode.calls == 2 and mode.upcast_calls == 1
 
+
+
+def biased_plain_and_lean(narrow, target, bias, reduction="mean", bias_first=False):
+    """As plain_and_lean, of cross_entropy((narrow + bias).view(-1, classes)): BART's logits,
+    ``lm_head(x) + final_logits_bias``, a bf16 product and an fp32 buffer under autocast."""
+    out = []
+    for mode in (None, LeanLoss(min_bytes=0)):
+        if mode is not None:
+            mode.__enter__()
+        wide = bias + narrow if bias_first else narrow + bias
+        loss = F.cross_entropy(wide.view(-1, narrow.size(-1)), target, reduction=reduction)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        out.append((loss, torch.autograd.grad(loss, narrow)[0], mode))
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bias_first", [False, True], ids=["logits_plus_bias", "bias_plus_logits"])
+def test_logits_widened_by_adding_a_bias_are_taken_narrow_bit_for_bit(reduction, bias_first):
+    logits, target = upcast_logits(torch.bfloat16)
+    bias = torch.randn(1, logits.size(-1), generator=torch.Generator().manual_seed(3))
+    (plain, plain_grad, _), (lean, lean_grad, mode) = biased_plain_and_lean(logits, target, bias, reduction,
+                                                                            bias_first)
+    assert mode.calls == 1 and mode.upcast_calls == 1
+    assert lean_grad.dtype == torch.bfloat16
+    assert torch.equal(plain, lean) and torch.equal(plain_grad, lean_grad)
+
+
+@pytest.mark.parametrize("subtract", [True, False], ids=["subtracted", "log_softmax_again"])
+def test_a_biased_upcasts_chunks_make_the_sum_again_in_backward(monkeypatch, subtract):
+    """In chunks, backward adds the bias to each chunk of narrow rows again: the log-probabilities
+    by subtraction from the sum's largest value (not the narrow logits', which the bias moves), or
+    by log-softmax again; both give PyTorch's gradient bit for bit."""
+    from um_alloc.planner import lean_loss
+    monkeypatch.setattr(lean_loss, "_SUBTRACTION_MATCHES", {} if subtract else
+                        {("cpu", torch.float32, torch.float32, 211): False})
+    logits, target = logits_and_target(torch.bfloat16)
+    bias = 10 * torch.randn(211, generator=torch.Generator().manual_seed(4))  # moves each row's largest
+    plain = F.cross_entropy(logits + bias, target)
+    plain_grad, = torch.autograd.grad(plain, logits)
+    chunked = chunked_cross_entropy(logits, target, dtype=torch.float32, upcast=logits + bias, bias=bias,
+                                    chunk_bytes=40 * 211 * 4)
+    chunked_grad, = torch.autograd.grad(chunked, logits)
+    assert torch.equal(plain, chunked) and torch.equal(plain_grad, chunked_grad)
+    assert lean_loss._SUBTRACTION_MATCHES == {("cpu", torch.float32, torch.float32, 211): subtract}
+
+
+def test_a_bias_that_needs_a_gradient_or_is_not_one_value_per_class_leaves_the_sum_plain():
+    logits, target = upcast_logits(torch.bfloat16)
+    trained = torch.zeros(1, logits.size(-1), requires_grad=True)
+    per_row = torch.zeros(logits.size(1), 1)  # broadcasts over classes, not one value per class
+    for bias in (trained, per_row):
+        (plain, plain_grad, _), (lean, lean_grad, mode) = biased_plain_and_lean(logits, target, bias)
+        assert mode.calls == 1 and mode.upcast_calls == 0
+        assert torch.equal(plain, lean) and torch.equal(plain_grad, lean_grad)
+
+
+def test_the_biased_upcast_is_not_held_for_backward():
+    logits, target = upcast_logits(torch.bfloat16)
+    with LeanLoss(min_bytes=0) as mode:
+        wide = logits + torch.ones(logits.size(-1))
+        loss = F.cross_entropy(wide.view(-1, logits.size(-1)), target)
+    held = weakref.ref(wide)
+    del wide
+    assert mode.upcast_calls == 1 and held() is None
+    loss.backward()
+
+
+def test_a_bias_of_another_size_dtype_or_one_that_needs_a_gradient_is_refused():
+    logits, target = logits_and_target(torch.bfloat16)
+    for bias in (torch.zeros(210), torch.zeros(211, dtype=torch.float64), torch.zeros(211, requires_grad=True)):
+        with pytest.raises(ValueError, match="bias must be a vector of 211 classes in torch.float32"):
+            chunked_cross_entropy(logits, target, dtype=torch.float32, bias=bias)
 
 
 @pytest.mark.parametrize("phase", [0, 4, 12, 500])

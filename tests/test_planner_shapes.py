@@ -189,3 +189,17 @@ def test_the_checkpoint_strategy_measures_each_input():
     assert planner.to_dict()["inputs"] == {"planned": 2, "borrowing": 0, "measuring": 0}
     assert planner.safe_steps == 3
     planner.remove()
+
+
+def test_a_measuring_step_that_overflowed_costs_the_link_at_the_probes_rate():
+    from um_alloc.planner.director import calibration_link
+    probed = []
+
+    def probe():
+        probed.append(True)
+        return 50e9
+
+    assert calibration_link((48e9, 52e9), 0, probe) == 48e9 and not probed  # the step's own copies, slower way
+    # Kernels reading overflowed memory shared the link with the copies: the probe says what a plan gets.
+    assert calibration_link((3.2e9, 3.5e9), 1 << 30, probe) == 50e9
+    assert calibration_link(None, 0, probe) == 50e9  # nothing copied

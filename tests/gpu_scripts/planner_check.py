@@ -346,15 +346,17 @@ def lean() -> dict:
             "grad_max_diff": (plain_grad.float() - chunked_grad.float()).abs().max().item()}
     for dtype, autocast in [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)]:
         out[f"upcast_{dtype}_autocast{autocast}"] = _upcast_case(dtype, autocast)
+    out["biased_upcast_bfloat16_autocastTrue"] = _upcast_case(torch.bfloat16, True, biased=True)
     from um_alloc.planner import lean_loss
     return {"cases": out, "subtracted": [str(k) for k, v in lean_loss._SUBTRACTION_MATCHES.items() if v],
             "fused": [str(k) for k, v in lean_loss._FUSED.items() if v is not None],
             "compared_fused": [str(k) for k in lean_loss._FUSED]}
 
 
-def _upcast_case(dtype, autocast: bool) -> dict:
+def _upcast_case(dtype, autocast: bool, biased: bool = False) -> dict:
     """transformers' loss: narrow logits upcast, flattened, then cross_entropy; under LeanLoss the
-    chunked version takes the narrow logits."""
+    chunked version takes the narrow logits. `biased`: the upcast is BART's, the logits plus an
+    fp32 bias over the vocabulary."""
     import torch.nn.functional as F
 
     from um_alloc.planner.lean_loss import LeanLoss
@@ -364,12 +366,14 @@ def _upcast_case(dtype, autocast: bool) -> dict:
     logits = (4 * torch.randn(2, 1024, 50257, device="cuda")).to(dtype).requires_grad_()
     target = torch.randint(0, 50257, (2048,), device="cuda")
     target[::5] = -100
+    bias = torch.randn(1, 50257, device="cuda")
     results = []
     for mode in (None, LeanLoss(min_bytes=0)):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             if mode is not None:
                 mode.__enter__()
-            loss = F.cross_entropy(logits.float().view(-1, 50257), target)
+            upcast = logits + bias if biased else logits.float()
+            loss = F.cross_entropy(upcast.view(-1, 50257), target)
             if mode is not None:
                 mode.__exit__(None, None, None)
         results.append((loss, torch.autograd.grad(loss, logits)[0]))

@@ -50,6 +50,7 @@ import math
 import statistics
 import weakref
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -388,14 +389,8 @@ class BlockPlanner:
         recorder.mark("next forward")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        # The link as this step's copies found it (through the stages, beside the step's kernels,
-        # the slower direction); where nothing was copied, a copy out and back of one buffer.
         copied = self._runtime.transfers.copy_rates() if self.device.type == "cuda" else None
-        if copied:
-            link = min(copied)
-        else:
-            self._link = self._link or link_rate(self.device)
-            link = self._link
+        link = calibration_link(copied, recorder.overflowed_bytes, self._probed_link)
         names = [(u.name, u.kind) for u in self.units] + [(REST, "gap")]
         cal = recorder.calibration(names, recorder.marks[-1].clock, link, self._reserved)
         if recorder.overflowed_bytes:  # it needed the budget, all backed, and that much more
@@ -420,6 +415,10 @@ class BlockPlanner:
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
         self._plan_shape(shape)
+
+    def _probed_link(self) -> float:
+        self._link = self._link or link_rate(self.device)
+        return self._link
 
     def _plan_shape(self, shape: _Shape) -> None:
         """The shape's plan from its calibration, and its runners-up to try (trials.py)."""
@@ -707,6 +706,17 @@ def _lighter_hint() -> str:
     if is_installed() and host_mapped(installation().policy.tags["optimizer_state"]):
         return "lower the batch"
     return "lower the batch or " + HOST_OPTIMIZER_HINT
+
+
+def calibration_link(copied: tuple[float, float] | None, overflowed_bytes: int, probe: Callable[[], float]) -> float:
+    """The link's rate a plan is costed at: as the measured step's copies found it (through the
+    stages, beside the step's kernels, the slower direction). Where nothing was copied, or the step
+    overflowed, `probe`'s copy out and back of one buffer: kernels reading overflowed memory over
+    the link leave the copies a fraction of it (3.2 GB/s in a step of BART that overflowed on an
+    H100), and a plan that fits the budget does not share the link with them."""
+    if copied and not overflowed_bytes:
+        return min(copied)
+    return probe()
 
 
 def _input_shapes(recorder: StepRecorder) -> list:

@@ -46,6 +46,17 @@ An upcast changed in place after it was made, or not contiguous, is left to the 
 the same upcast also feeds another term of the loss (a z-loss on the logits, say), the two
 gradients meet in the narrow dtype instead of in fp32, and their sum may differ in its last bits.
 
+**Logits widened by a bias.** BART and the models transformers builds like it (mBART, Pegasus,
+Marian, Blenderbot, PLBart, LED, MVP) add a buffer, ``final_logits_bias``, to their head's logits:
+under autocast, bf16 logits plus an fp32 bias make fp32 logits by an add instead of a cast. Such a
+sum (a narrower tensor that requires a gradient and a wider vector of one value per class that
+does not) is noted as an upcast too: the chunks make the sum again from rows of the narrow logits
+and the bias, with the same add, element by element; each row's largest value is taken from the
+sum (the bias moves it), and the gradient comes back in the narrow dtype, as the add's backward
+gives it. These models also return the sum as their output's ``logits``, alive while the output
+is, so forward holds it either way; backward no longer makes its fp32 gradient: 1.2 GB at BART's
+50,265 classes and 24 x 256 target tokens.
+
 ``LeanLoss`` is a TorchFunctionMode: the planner enters it where a model computes its loss (after
 its last unit, inside its forward), so no code changes.
 """
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,20 +93,27 @@ def applies(logits, target, weight=None, size_average=None, ignore_index=-100, r
 def chunked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                           reduction: str = "mean", chunk_bytes: int = CHUNK_BYTES,
                           dtype: torch.dtype | None = None, phase: int = 0,
-                          upcast: torch.Tensor | None = None) -> torch.Tensor:
+                          upcast: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.cross_entropy(logits.to(dtype), target, ignore_index=..., reduction=...)`` for 2-D logits,
     with the log-probabilities made again in backward `chunk_bytes` of rows (in `dtype`) at a time.
     `dtype`: a wider floating dtype the logits are upcast to, a chunk at a time (default: their
     own); the gradient comes back in the logits' own dtype, as the upcast's backward gives it.
     `phase`: the address, modulo ALIGN_BYTES, of the upcast the chunks stand for (see _Rows).
-    `upcast`: ``logits.to(dtype)`` where it exists already; forward reads its rows and does not keep it."""
+    `upcast`: ``logits.to(dtype)`` where it exists already; forward reads its rows and does not keep it.
+    `bias`: a vector of one value per class in `dtype`, not requiring a gradient, that the loss's
+    logits are ``logits + bias`` (the widening add of BART's ``final_logits_bias``); `upcast` is then
+    that sum."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     dtype = dtype or logits.dtype
     if upcast is not None and (upcast.dtype != dtype or upcast.shape != logits.shape):
         raise ValueError(f"chunked_cross_entropy: upcast must be the logits as {dtype}, of shape "
                          f"{tuple(logits.shape)}; got {upcast.dtype} of shape {tuple(upcast.shape)}")
-    rows = _Rows(logits, dtype, phase, chunk_bytes)
+    if bias is not None and (bias.dtype != dtype or bias.shape != logits.shape[1:] or bias.requires_grad):
+        raise ValueError(f"chunked_cross_entropy: bias must be a vector of {logits.size(1)} classes in {dtype} "
+                         f"that requires no gradient; got {bias.dtype} of shape {tuple(bias.shape)}"
+                         f"{' that requires one' if bias.requires_grad else ''}")
+    rows = _Rows(logits, dtype, phase, chunk_bytes, bias)
     return _ChunkedCrossEntropy.apply(logits, target, ignore_index, reduction, rows, upcast)
 
 
@@ -106,11 +125,16 @@ class _Rows:
     order of its sums, and with it their last bits, depends on where the row starts (GPT-2's
     50,257 fp32 logits a row start 4 bytes further each row)."""
 
-    def __init__(self, logits: torch.Tensor, dtype: torch.dtype, phase: int, chunk_bytes: int):
-        self.logits, self.dtype, self.phase = logits, dtype, phase
+    def __init__(self, logits: torch.Tensor, dtype: torch.dtype, phase: int, chunk_bytes: int,
+                 bias: torch.Tensor | None = None):
+        self.logits, self.dtype, self.phase, self.bias = logits, dtype, phase, bias
         self.item_bytes = torch.finfo(dtype).bits // 8
         self.row_bytes = logits.size(1) * self.item_bytes
         self.step = max(1, chunk_bytes // max(self.row_bytes, 1))
+        # What the kernels compared once a process are keyed on: the rows' values are the logits'
+        # own where they only widen, and a sum in the loss's dtype where a bias is added.
+        values_dtype = logits.dtype if bias is None else dtype
+        self.key = (str(logits.device), values_dtype, dtype, logits.size(1))
 
     def spans(self):
         """(start, end) of each chunk of rows, in order."""
@@ -119,13 +143,21 @@ class _Rows:
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         rows = self.logits[start:end]
-        if rows.dtype is self.dtype:
+        if rows.dtype is self.dtype and self.bias is None:
             return rows
         buffer = torch.empty((end - start) * rows.size(1) + ALIGN_BYTES // self.item_bytes, dtype=self.dtype,
                              device=rows.device)
         want = (self.phase + start * self.row_bytes) % ALIGN_BYTES
         skip = (want - buffer.data_ptr()) % ALIGN_BYTES // self.item_bytes
-        return buffer[skip:skip + rows.numel()].view(rows.shape).copy_(rows)
+        placed = buffer[skip:skip + rows.numel()].view(rows.shape)
+        if self.bias is None:
+            return placed.copy_(rows)
+        return torch.add(rows, self.bias, out=placed)  # the model's own widening add, element by element
+
+    def values(self, start: int, end: int) -> torch.Tensor:
+        """Rows holding the loss's rows' values exactly, in the fewest bytes: the logits' own where
+        the loss only widens them (widening keeps every value), else the rows made again."""
+        return self.logits[start:end] if self.bias is None else self.rows(start, end)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -136,7 +168,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         index = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
         picked = torch.empty(logits.size(0), 1, dtype=dtype, device=logits.device)
         row_max = log_sum = None
-        if _may_subtract(logits, dtype):
+        if _may_subtract(rows):
             row_max = torch.empty(logits.size(0), 1, dtype=dtype, device=logits.device)
             log_sum = torch.empty_like(row_max)
         for start, end in rows.spans():
@@ -146,10 +178,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if row_max is not None:
                 # At the row's largest logit, (x - max) - log(sum) is -log(sum), exactly. The
                 # narrow logits hold the same largest values, in half the bytes of an upcast.
-                largest, at = logits[start:end].max(1, keepdim=True)
+                values = logits[start:end] if rows.bias is None else chunk
+                largest, at = values.max(1, keepdim=True)
                 row_max[start:end] = largest
                 torch.gather(log_probs, 1, at, out=log_sum[start:end]).neg_()
-                if start == 0 and not _subtraction_matches(logits, dtype, log_probs, row_max[:end], log_sum[:end]):
+                if start == 0 and not _subtraction_matches(rows, values, log_probs, row_max[:end], log_sum[:end]):
                     row_max = log_sum = None
         # nll_loss itself reduces the picked values: one column, class 0 where the row counts.
         column_target = torch.where(valid, torch.zeros_like(target), target)
@@ -172,22 +205,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # create_graph: the gradient must itself have one, and max and log(sum) held as
             # constants would give it the wrong one; log-softmax again gives the right one.
             row_max = log_sum = None
-        fused = _fused_gradient(logits, rows.dtype) if row_max is not None else None
+        fused = _fused_gradient(rows) if row_max is not None else None
         for start, end in rows.spans():
             if fused is not None:
                 # An upcast's backward casts the whole gradient down; element by element, a chunk's cast is the same.
-                out[start:end] = fused(logits[start:end], row_max[start:end], log_sum[start:end],
+                out[start:end] = fused(rows.values(start, end), row_max[start:end], log_sum[start:end],
                                        picked_grad[start:end], index[start:end])
                 continue
             if row_max is None:
                 log_probs = F.log_softmax(rows.rows(start, end), 1, dtype=rows.dtype)
             else:  # the narrow logits widen exactly in the first subtraction
-                log_probs = torch.sub(logits[start:end], row_max[start:end]).sub_(log_sum[start:end])
+                values = rows.values(start, end)
+                log_probs = torch.sub(values, row_max[start:end]).sub_(log_sum[start:end])
             grad_log_probs = torch.zeros_like(log_probs).scatter_(1, index[start:end], picked_grad[start:end])
             out[start:end] = grad = torch.ops.aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, rows.dtype)
             if start == 0 and row_max is not None:
-                fused = _fused_gradient_matching(grad, logits[:end], row_max[:end], log_sum[:end],
-                                                 picked_grad[:end], index[:end], rows.dtype)
+                fused = _fused_gradient_matching(rows, grad, values, row_max[:end], log_sum[:end],
+                                                 picked_grad[:end], index[:end])
         rows.logits = None
         return out, None, None, None, None, None
 
@@ -197,24 +231,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 _SUBTRACTION_MATCHES: dict[tuple, bool] = {}
 
 
-def _may_subtract(logits: torch.Tensor, dtype: torch.dtype) -> bool:
+def _may_subtract(rows: _Rows) -> bool:
     """Log-softmax rounds once, to `dtype`, where it accumulates in `dtype` (fp32, fp64) only."""
-    return dtype in (torch.float32, torch.float64) and _SUBTRACTION_MATCHES.get(_kernel_key(logits, dtype), True)
+    return rows.dtype in (torch.float32, torch.float64) and _SUBTRACTION_MATCHES.get(rows.key, True)
 
 
-def _subtraction_matches(logits, dtype, log_probs, row_max, log_sum) -> bool:
-    """Whether (logits - max) - log(sum) gives `log_probs`, the first chunk's, bit for bit; the
+def _subtraction_matches(rows: _Rows, values, log_probs, row_max, log_sum) -> bool:
+    """Whether (values - max) - log(sum) gives `log_probs`, the first chunk's, bit for bit; the
     first call for a device, dtypes and vocabulary compares them (and waits for the GPU), the rest
     reuse the answer."""
-    key = _kernel_key(logits, dtype)
-    if key not in _SUBTRACTION_MATCHES:
-        made = torch.sub(logits[:len(row_max)], row_max).sub_(log_sum)
-        _SUBTRACTION_MATCHES[key] = torch.equal(made, log_probs)
-    return _SUBTRACTION_MATCHES[key]
-
-
-def _kernel_key(logits: torch.Tensor, dtype: torch.dtype) -> tuple:
-    return str(logits.device), logits.dtype, dtype, logits.size(1)
+    if rows.key not in _SUBTRACTION_MATCHES:
+        made = torch.sub(values, row_max).sub_(log_sum)
+        _SUBTRACTION_MATCHES[rows.key] = torch.equal(made, log_probs)
+    return _SUBTRACTION_MATCHES[rows.key]
 
 
 # The gradient of a chunk of rows in one elementwise kernel (torch.cuda.jiterator), in fp32: the
@@ -234,45 +263,46 @@ _GRADIENT_SOURCE = """template <typename T> T lean_loss_gradient(T x, T row_max,
     T picked = column == target ? scale : T(0);
     {body}
 }}"""
-_FUSED: dict[tuple, object] = {}  # _kernel_key -> the kernel that matched PyTorch's, or None
+_FUSED: dict[tuple, object] = {}  # _Rows.key -> the kernel that matched PyTorch's, or None
 
 
-def _fused_gradient(logits: torch.Tensor, dtype: torch.dtype):
-    """The fused kernel found to match for these logits (a callable of the rows, their max and
+def _fused_gradient(rows: _Rows):
+    """The fused kernel found to match for these rows (a callable of their values, their max and
     log(sum), nll's gradient and the targets), or None: not on CUDA, not fp32, none matched, or
     not compared yet."""
-    return _FUSED.get(_kernel_key(logits, dtype)) if logits.is_cuda and dtype is torch.float32 else None
+    return _FUSED.get(rows.key) if rows.logits.is_cuda and rows.dtype is torch.float32 else None
 
 
-def _fused_gradient_matching(grad, logits, row_max, log_sum, picked_grad, index, dtype):
-    """Compares the fused kernels with PyTorch's `grad` of the first chunk, once for a device,
-    dtypes and vocabulary (waits for the GPU); the one that matches, or None."""
-    key = _kernel_key(logits, dtype)
-    if key in _FUSED or not logits.is_cuda or dtype is not torch.float32:
+def _fused_gradient_matching(rows: _Rows, grad, values, row_max, log_sum, picked_grad, index):
+    """Compares the fused kernels with PyTorch's `grad` of the first chunk (of `values`), once for
+    a device, dtypes and vocabulary (waits for the GPU); the one that matches, or None."""
+    key, dtype = rows.key, rows.dtype
+    if key in _FUSED or not values.is_cuda or dtype is not torch.float32:
         return _FUSED.get(key)
     if not bool(picked_grad.ne(0).any()):  # every row ignored: any kernel gives zeros; decide later
         return None
     _FUSED[key] = None
-    columns = torch.arange(logits.size(1), device=logits.device, dtype=dtype)
+    columns = torch.arange(values.size(1), device=values.device, dtype=dtype)
     for name, body in _GRADIENT_KERNELS.items():
         kernel = torch.cuda.jiterator._create_jit_fn(_GRADIENT_SOURCE.format(body=body))
 
-        def fused(rows, row_max, log_sum, picked_grad, index, kernel=kernel):
+        def fused(values, row_max, log_sum, picked_grad, index, kernel=kernel):
             # Every input in fp32: given bf16 rows, the kernel converts each element on the fly
             # and ran 1.77 ms a chunk of 1,170 x 50,257 on an H200, against 0.51 ms with the
             # rows upcast first and 0.83 ms for PyTorch's kernels.
-            return kernel(rows.to(dtype), row_max, log_sum, picked_grad, columns, index.to(dtype))
+            return kernel(values.to(dtype), row_max, log_sum, picked_grad, columns, index.to(dtype))
 
         try:
-            matches = torch.equal(fused(logits, row_max, log_sum, picked_grad, index), grad)
+            matches = torch.equal(fused(values, row_max, log_sum, picked_grad, index), grad)
         except RuntimeError as error:  # no runtime compiler here: PyTorch's kernels stay
             log.info("lean loss: the fused gradient kernel did not compile (%s); PyTorch's kernels stay", error)
             break
         if matches:
             _FUSED[key] = fused
             break
-    log.info("lean loss: the gradient of %s logits over %d classes in %s: %s", logits.dtype, logits.size(1),
-             dtype, "one fused kernel (" + name + ")" if _FUSED[key] else "PyTorch's kernels")
+    log.info("lean loss: the gradient of %s logits%s over %d classes in %s: %s", rows.logits.dtype,
+             "" if rows.bias is None else " plus a bias", values.size(1), dtype,
+             "one fused kernel (" + name + ")" if _FUSED[key] else "PyTorch's kernels")
     return _FUSED[key]
 
 
@@ -298,15 +328,16 @@ class LeanLoss(TorchFunctionMode):
         if func is F.cross_entropy and applies(*args, **kwargs, min_bytes=self.min_bytes):
             self.calls += 1
             logits, target = args[0], args[1]
-            source = self._upcasts.source_of(logits)
+            narrow = self._upcasts.source_of(logits)
             self._upcasts.clear()
-            if source is not None:
+            if narrow is not None:
                 self.upcast_calls += 1
-            return chunked_cross_entropy(logits if source is None else source, target,
+            return chunked_cross_entropy(logits if narrow is None else narrow.tensor, target,
                                          kwargs.get("ignore_index", _positional(args, 4, -100)),
                                          kwargs.get("reduction", _positional(args, 6, "mean")),
                                          dtype=logits.dtype, phase=logits.data_ptr() % ALIGN_BYTES,
-                                         upcast=None if source is None else logits)
+                                         upcast=None if narrow is None else logits,
+                                         bias=None if narrow is None else narrow.bias)
         out = func(*args, **kwargs)
         if func in _UPCASTS_AND_VIEWS:
             self._upcasts.note(func, args, kwargs, out, self.min_bytes)
@@ -318,49 +349,82 @@ class LeanLoss(TorchFunctionMode):
 
 
 _CASTS = (torch.Tensor.float, torch.Tensor.double, torch.Tensor.to, torch.Tensor.type)
+_ADDS = (torch.Tensor.add, torch.add)
 _VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten)
-_UPCASTS_AND_VIEWS = frozenset(_CASTS + _VIEWS)
+_UPCASTS_AND_VIEWS = frozenset(_CASTS + _ADDS + _VIEWS)
+
+
+class Narrow(NamedTuple):
+    """What an upcast was made from: `tensor`, the narrower one, in the upcast's shape, and the
+    vector of one value per class added in the wider dtype (None for a plain cast)."""
+    tensor: torch.Tensor
+    bias: torch.Tensor | None = None
 
 
 class _Upcasts:
-    """Tensors made by upcasting a narrower floating tensor (or views of them, taken as they were
-    taken), each with that narrower tensor as the same view: the cross-entropy of one can take
-    the narrower tensor instead. The upcasts are held weakly, and count only while neither they
-    nor their sources have changed since (their version counters)."""
+    """Tensors made by upcasting a narrower floating tensor, by a cast or by adding a bias of the
+    wider dtype over the last dimension (BART's ``lm_logits + final_logits_bias`` under autocast),
+    or views of them taken as they were taken, each with that narrower tensor as the same view:
+    the cross-entropy of one can take the narrower tensor instead. The upcasts are held weakly,
+    and count only while neither they nor what they were made of have changed since (their
+    version counters)."""
 
     def __init__(self):
-        self._made: dict[int, tuple[weakref.ref, int, torch.Tensor, int]] = {}
+        self._made: dict[int, tuple[weakref.ref, int, Narrow, tuple[int, ...]]] = {}
 
     def note(self, func, args, kwargs, out, min_bytes: int) -> None:
         if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
             return
-        tensor = args[0]
-        if func in _CASTS:
-            if _widens(tensor, out) and out.numel() * out.element_size() >= min_bytes:
-                self._remember(out, tensor)
+        if func in _CASTS or func in _ADDS:
+            narrow = _cast_of(args[0], out) if func in _CASTS else _biased_sum_of(args, kwargs, out)
+            if narrow is not None and out.numel() * out.element_size() >= min_bytes:
+                self._remember(out, narrow)
             return
-        source = self.source_of(tensor)
+        source = self.source_of(args[0])
         if source is None or not out.is_contiguous() or any(isinstance(a, torch.dtype) for a in args[1:]):
             return  # a view as another dtype is a reinterpretation of the bytes, not a shape
-        view = func(source, *args[1:], **kwargs)
-        if view.shape == out.shape and view.is_contiguous():
-            self._remember(out, view)
+        view = func(source.tensor, *args[1:], **kwargs)
+        keeps_classes = source.bias is None or view.size(-1) == source.bias.numel()
+        if view.shape == out.shape and view.is_contiguous() and keeps_classes:
+            self._remember(out, source._replace(tensor=view))
 
-    def source_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The narrower tensor `tensor` is an unchanged upcast of, or None."""
+    def source_of(self, tensor: torch.Tensor) -> Narrow | None:
+        """What `tensor` is an unchanged upcast of, or None."""
         made = self._made.get(id(tensor))
         if made is None:
             return None
-        upcast, version, source, source_version = made
-        if upcast() is not tensor or tensor._version != version or source._version != source_version:
+        upcast, version, narrow, versions = made
+        if upcast() is not tensor or tensor._version != version or _versions(narrow) != versions:
             return None
-        return source
+        return narrow
 
     def clear(self) -> None:
         self._made.clear()
 
-    def _remember(self, out: torch.Tensor, source: torch.Tensor) -> None:
-        self._made[id(out)] = (weakref.ref(out), out._version, source, source._version)
+    def _remember(self, out: torch.Tensor, narrow: Narrow) -> None:
+        self._made[id(out)] = (weakref.ref(out), out._version, narrow, _versions(narrow))
+
+
+def _versions(narrow: Narrow) -> tuple[int, ...]:
+    return tuple(t._version for t in narrow if t is not None)
+
+
+def _cast_of(tensor: torch.Tensor, out: torch.Tensor) -> Narrow | None:
+    return Narrow(tensor) if _widens(tensor, out) else None
+
+
+def _biased_sum_of(args: tuple, kwargs: dict, out: torch.Tensor) -> Narrow | None:
+    """`out` = a + b as the narrower of the two widened and a bias over the last dimension added,
+    or None: the sum of a narrower tensor and a wider vector of one value per class that needs
+    no gradient, with no `alpha` (the bias's gradient, and a scaled one, are not made)."""
+    if len(args) != 2 or not isinstance(args[1], torch.Tensor) or kwargs.get("alpha", 1) != 1 or "out" in kwargs:
+        return None
+    for narrow, bias in (args, args[::-1]):
+        if (_widens(narrow, out) and bias.dtype == out.dtype and not bias.requires_grad
+                and bias.device == out.device and bias.dim() <= out.dim()
+                and bias.size(-1) == out.size(-1) == bias.numel()):
+            return Narrow(narrow, bias.reshape(-1))
+    return None
 
 
 def _widens(narrow: torch.Tensor, wide: torch.Tensor) -> bool:
