@@ -1,0 +1,57 @@
+"""bench/replay_predictions.py on the CPU: recorded plans priced again by today's cost model."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_planner_plan import GiB, transformer
+from um_alloc.planner.planning import calibration_to_dict, evaluate, make_plan
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import replay_predictions  # noqa: E402
+
+
+def planner_record(measured_s: float, **extra) -> dict:
+    cal = transformer()
+    plan = make_plan(cal, 14 * GiB)
+    return {"method": "planner", "model": "synthetic", "batch": 8, "run_id": "zoo-1",
+            "calibration": calibration_to_dict(cal), "plan": {**plan.to_dict(), "predicted_step_s": 0.5},
+            "planner_measured_step_s": measured_s, "margin_bytes": 512 << 20, **extra}
+
+
+def test_a_recorded_plan_is_priced_today_against_its_measured_step_and_stocks(tmp_path, capsys):
+    cal = transformer()
+    decisions = make_plan(cal, 14 * GiB).decisions
+    today = evaluate(cal, decisions, 14 * GiB).predicted_step_s
+    stock = {"method": "stock", "batch": 8, "step_s_median": 0.09}
+    (tmp_path / "run.json").write_text(json.dumps([stock, planner_record(measured_s=today / 1.25)]))
+    out = tmp_path / "replay.json"
+    assert replay_predictions.main([str(tmp_path), "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    (row,) = written["rows"]
+    assert row["predicted_s"] == pytest.approx(today) and row["recorded_s"] == 0.5  # today's price, and then's
+    assert row["error"] == pytest.approx(0.25) and row["stock_s"] == 0.09
+    assert row["kept_s"] == pytest.approx(cal.base_step_s())
+    assert written["summary"]["within_15_percent"] == 0 and written["summary"]["predicted_too_slow"] == 1
+    assert "1 records of one input shape: median |error| 25.0%" in capsys.readouterr().out
+
+
+def test_runs_of_changing_shapes_are_marked_and_unreadable_calibrations_skipped(tmp_path, capsys):
+    changing = planner_record(measured_s=1.0, lengths=[512, 256])
+    renamed = planner_record(measured_s=1.0)
+    renamed["calibration"]["segments"][0]["renamed_field"] = 1
+    (tmp_path / "a.json").write_text(json.dumps([changing]))
+    (tmp_path / "b.json").write_text(json.dumps(renamed))
+    (tmp_path / "c.json").write_text("not json")  # a file of another kind is passed over
+    assert replay_predictions.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "*: inputs of changing shapes" in printed and "0 records of one input shape" not in printed
+    assert f"skipped 1 whose calibration today's Calibration cannot read: {tmp_path / 'b.json'}" in printed
+
+
+def test_a_path_that_does_not_exist_is_refused_and_no_record_is_a_failure(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        replay_predictions.parse_args([str(tmp_path / "missing")])
+    assert replay_predictions.main([str(tmp_path)]) == 1
+    assert "no planner record with a calibration" in capsys.readouterr().out
