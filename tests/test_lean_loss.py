@@ -118,25 +118,6 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(config).to(torch.bfloat16).train()
 
 
-@pytest.mark.parametrize("make,upcasts", [(tiny_bert, 0), (tiny_gpt2, 1)], ids=["bert", "gpt2_upcast"])
-def test_a_planned_models_loss_is_chunked_with_plain_gradients(make, upcasts):
-    """BERT's loss takes its logits as they are; GPT-2's (transformers' ForCausalLMLoss) upcasts
-    them first, and the chunks take the bf16 logits instead."""
-    model = make()
-    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
-    plain_loss, plain = gradients(model, ids)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
-                      window=1 << 20, min_bytes=1)
-    runtime.lean_loss.min_bytes = 0
-    runtime.attach()
-    loss, planned = gradients(model, ids)
-    runtime.detach()
-    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == upcasts
-    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
-    assert torch._C._len_torch_function_stack() == 0  # the mode left with the forward
-
-
 def tiny_bart():
     config = transformers.BartConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
@@ -148,23 +129,28 @@ def tiny_bart():
     return model
 
 
-def test_bart_under_autocast_gives_its_loss_the_bf16_logits_and_the_fp32_bias():
-    """Under autocast BART's head makes bf16 logits and adds its fp32 ``final_logits_bias``: fp32
-    logits, which the chunks take as the bf16 product and the bias, with plain autograd's gradients."""
-    model = tiny_bart()
+@pytest.mark.parametrize("make,upcasts,autocast", [(tiny_bert, 0, False), (tiny_gpt2, 1, False), (tiny_bart, 1, True)],
+                         ids=["bert", "gpt2_upcast", "bart_biased_upcast"])
+def test_a_planned_models_loss_is_chunked_with_plain_gradients(make, upcasts, autocast):
+    """BERT's loss takes its logits as they are; GPT-2's (transformers' ForCausalLMLoss) upcasts
+    them first, and the chunks take the bf16 logits instead. Under autocast BART's head makes bf16
+    logits and adds its fp32 ``final_logits_bias``: fp32 logits, which the chunks take as the bf16
+    product and the bias."""
+    model = make()
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         plain_loss, plain = gradients(model, ids)
     units = find_units(model)
     runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
                       window=1 << 20, min_bytes=1)
     runtime.lean_loss.min_bytes = 0
     runtime.attach()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss, planned = gradients(model, ids)
     runtime.detach()
-    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == 1
+    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == upcasts
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
+    assert torch._C._len_torch_function_stack() == 0  # the mode left with the forward
 
 
 def upcast_logits(dtype, rows=300, classes=211):
