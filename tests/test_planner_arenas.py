@@ -130,6 +130,8 @@ def test_a_planned_step_that_overflowed_makes_the_next_plan_keep_that_much_less(
     assert planner.plan.limit_bytes == first_plan.limit_bytes - (40 << 20) - OVERFLOW_SLACK
     assert steps([e for e in arenas.events if not isinstance(e, tuple)]) == [True, True, True, False, True]
     assert planner.to_dict()["overflowed_steps"] == 1 and planner.to_dict()["overflow_bytes"] == 300 << 20
+    assert planner.to_dict()["measuring_step_overflow_bytes"] == 0  # a planned step's overflow is not the calibration's
+    assert "measured in a step that overflowed" not in planner.table()
 
 
 def test_a_measuring_step_that_overflowed_counts_what_it_needed_and_plans_within_the_least_plans_peak(caplog):
@@ -152,6 +154,9 @@ def test_a_measuring_step_that_overflowed_counts_what_it_needed_and_plans_within
     assert "needs 40.0 MiB more than the 1.0 GiB budget holds" in caplog.text
     assert planner.plan.made == WITHIN_LEAST and planner.overflowed_steps == 0
     assert [t.plan.made for t in trials_of(planner).tried] == [WITHIN_LEAST, LEAST]
+    # The prediction carries the overflowed memory's reads over the link: the table says so.
+    assert "measured in a step that overflowed 40.0 MiB to host memory" in planner.table()
+    assert planner.to_dict()["measuring_step_overflow_bytes"] == 40 << 20
 
 
 def test_the_default_overflow_is_a_quarter_of_the_budget_and_at_least_a_gibibyte():

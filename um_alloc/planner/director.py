@@ -107,6 +107,7 @@ class _Shape:
     signature: tuple = ()
     seen: int = 0                                  # steps begun with this input
     first_sighting: bool = False                   # its calibration is of the step that first saw it
+    measured_overflow: int = 0                     # what the step its calibration is of overflowed to host memory
 
 
 class BlockPlanner:
@@ -395,6 +396,7 @@ class BlockPlanner:
         cal = recorder.calibration(names, recorder.marks[-1].clock, link, self._reserved)
         if recorder.overflowed_bytes:  # it needed the budget, all backed, and that much more
             cal = cal.needing(self.budget + recorder.overflowed_bytes)
+        shape.measured_overflow = recorder.overflowed_bytes
         shape.calibrated += 1
         if probed:
             shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
@@ -609,7 +611,11 @@ class BlockPlanner:
         shape = self._current_shape()
         sighting = ("\nmeasured in the step that first saw this input: its one-time work (memory from the driver, "
                     "pinned buffers) is in the predicted step") if shape is not None and shape.first_sighting else ""
-        return self.plan.table() + (f"\n{trials.summary()}" if trials else "") + sighting + self._borrowed_line()
+        overflowed = (f"\nmeasured in a step that overflowed {format_size(shape.measured_overflow)} to host memory: "
+                      "its kernels' reads of it over the link are in the predicted step, which plans that fit do "
+                      "not pay") if shape is not None and shape.measured_overflow else ""
+        return (self.plan.table() + (f"\n{trials.summary()}" if trials else "") + sighting + overflowed
+                + self._borrowed_line())
 
     def _borrowed_line(self) -> str:
         borrower = self._borrowing
@@ -628,7 +634,9 @@ class BlockPlanner:
             out["lean_loss_calls"] = self._runtime.lean_loss.calls
             out["lean_loss_upcasts"] = self._runtime.lean_loss.upcast_calls
         if self.plan:
-            out.update(plan=self.plan.to_dict(), measured_step_s=self.measured_step_s())
+            shape = self._current_shape()
+            out.update(plan=self.plan.to_dict(), measured_step_s=self.measured_step_s(),
+                       measuring_step_overflow_bytes=shape.measured_overflow if shape else 0)
             trials = self._current_trials()
             if trials:
                 out["trials"] = trials.to_list()
