@@ -751,7 +751,11 @@ size_t ChunkPool::largest_free_run() const {
 }
 
 std::string ChunkPool::oom_message(size_t bytes, Tag tag, bool over_budget) const {
-  std::string m = "um_alloc: out of memory: tried to allocate " + format_bytes(bytes) + " (tag " +
+  // Opens as PyTorch's own does: tools that shrink the batch and try again on out of memory
+  // recognise it by those words (accelerate's find_executable_batch_size, which Hugging Face's
+  // Trainer uses for auto_find_batch_size, looks for " out of memory."; Lightning's batch size
+  // finder for "CUDA" and "out of memory").
+  std::string m = "um_alloc: CUDA out of memory. Tried to allocate " + format_bytes(bytes) + " (tag " +
                   tag_name(tag) + "); ";
   if (over_budget) {
     m += "GPU-backed memory " + format_bytes(stats_.backed_bytes) + " + this request would pass the " +

@@ -148,6 +148,24 @@ def test_cap_raises_out_of_memory_and_pool_carries_on(make_pool):
     pool.free(b)
 
 
+def test_out_of_memory_reads_as_pytorchs_to_the_tools_that_shrink_the_batch(make_pool):
+    """Hugging Face's Trainer (auto_find_batch_size, through accelerate) and Lightning's batch size
+    finder halve the batch on an out-of-memory error they recognise by its words, and re-raise any
+    other: um_alloc's must read as PyTorch's does."""
+    import torch
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    pool = make_pool(arena=4 * MiB, cap=4 * MiB)
+    a = pool.malloc(4 * MiB)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        pool.malloc(4 * MiB)
+    assert should_reduce_batch_size(e.value)
+    # Lightning's is_cuda_out_of_memory (lightning.pytorch.utilities.memory), which is not a dependency here.
+    assert isinstance(e.value, RuntimeError) and len(e.value.args) == 1
+    assert "CUDA" in e.value.args[0] and "out of memory" in e.value.args[0]
+    pool.free(a)
+
+
 def test_cap_makes_room_by_returning_free_arenas(make_pool):
     pool = make_pool(arena=4 * MiB, cap=8 * MiB)
     a, b = pool.malloc(4 * MiB), pool.malloc(4 * MiB)

@@ -43,8 +43,8 @@ class DeviceStage:
         with torch.cuda.device(device):
             err, ptr = rt.cudaMalloc(self.nbytes)
         if err != rt.cudaError_t.cudaSuccess:
-            raise torch.OutOfMemoryError(f"um_alloc: cudaMalloc of a {self.nbytes}-byte copy stage on {device} "
-                                         f"failed with {err.name}")
+            raise torch.OutOfMemoryError(f"um_alloc: CUDA out of memory. cudaMalloc of a {self.nbytes}-byte copy "
+                                         f"stage on {device} failed with {err.name}")
         self._finalizer = weakref.finalize(self, rt.cudaFree, ptr)
         buffer = device_bytes(ptr, self.nbytes, device)
         self._slots = list(buffer.split(slot_bytes))
