@@ -150,7 +150,7 @@ def test_cap_raises_out_of_memory_and_pool_carries_on(make_pool):
 
 def test_out_of_memory_reads_as_pytorchs_to_the_tools_that_shrink_the_batch(make_pool):
     """Hugging Face's Trainer (auto_find_batch_size, through accelerate) and Lightning's batch size
-    finder halve the batch on an out-of-memory error they recognise by its words, and re-raise any
+    finder shrink the batch on an out-of-memory error they recognise by its words, and re-raise any
     other: um_alloc's must read as PyTorch's does."""
     import torch
     from accelerate.utils.memory import should_reduce_batch_size
@@ -164,6 +164,22 @@ def test_out_of_memory_reads_as_pytorchs_to_the_tools_that_shrink_the_batch(make
     assert isinstance(e.value, RuntimeError) and len(e.value.args) == 1
     assert "CUDA" in e.value.args[0] and "out of memory" in e.value.args[0]
     pool.free(a)
+
+
+def test_accelerates_batch_size_finder_shrinks_the_batch_on_the_pools_out_of_memory(make_pool):
+    from accelerate.utils import find_executable_batch_size
+
+    pool = make_pool(arena=4 * MiB, cap=4 * MiB)
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=16)
+    def train(batch_size):
+        tried.append(batch_size)
+        pool.free(pool.malloc(batch_size * MiB))  # a MiB a sample: more than 4 passes the cap
+        return batch_size
+
+    assert train() == 4  # each out of memory caught, the batch made smaller (by a tenth, in accelerate 1.x)
+    assert tried[0] == 16 and tried == sorted(set(tried), reverse=True) and all(b > 4 for b in tried[:-1])
 
 
 def test_cap_makes_room_by_returning_free_arenas(make_pool):
