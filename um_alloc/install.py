@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import _lib
+from .alloc_conf import warn_on_pytorch_alloc_conf
 from .cudnn_benchmark import keep_cudnn_benchmark_off
 from .device_info import DeviceMemory, device_memory, visible_device_count, visible_devices_note
 from .errors import At, PolicyError
@@ -111,6 +112,7 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     refuse_cuda_graphs()
     keep_cudnn_benchmark_off()  # cuDNN's benchmark asks the allocator what a pluggable one cannot say
     warn_on_memory_fraction()  # a pluggable allocator drops the fraction: say so, and what bounds memory
+    warn_on_pytorch_alloc_conf()  # PYTORCH_CUDA_ALLOC_CONF's device settings were for the allocator replaced
     _installation = made
     return _installation
 
