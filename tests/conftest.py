@@ -168,6 +168,7 @@ def fake_gpu_node(patch):
     patch.setattr(install_module, "answer_torch_memory_stats", lambda: None)  # torch._C stays PyTorch's
     patch.setattr(install_module, "keep_cudnn_benchmark_off", lambda: None)
     patch.setattr(install_module, "warn_on_memory_fraction", lambda: None)
+    patch.setattr(install_module, "answer_memory_history", lambda: None)
     patch.setattr(attach, "memory_stats", lambda: {"live_bytes": 0})
     patch.setattr(attach, "memory_summary", lambda: "um_alloc memory summary (stand-in)")
     return nvml.memory_asked

@@ -21,6 +21,7 @@ from .device_info import DeviceMemory, device_memory, visible_device_count, visi
 from .errors import At, PolicyError
 from .graphs import refuse_cuda_graphs
 from .memory_fraction import warn_on_memory_fraction
+from .memory_history import answer_memory_history
 from .policy import Policy, load_policy, validate_for_device, with_budget, with_max_reserved
 from .pool import ChunkPool, tag_policy_struct
 from .ranks import ChosenDevice, choose_device
@@ -113,6 +114,7 @@ def install(policy=None, *, max_reserved: int | str | None = None, budget: int |
     keep_cudnn_benchmark_off()  # cuDNN's benchmark asks the allocator what a pluggable one cannot say
     warn_on_memory_fraction()  # a pluggable allocator drops the fraction: say so, and what bounds memory
     warn_on_pytorch_alloc_conf()  # PYTORCH_CUDA_ALLOC_CONF's device settings were for the allocator replaced
+    answer_memory_history()  # PyTorch's memory history and snapshots: a warning and a clear error, not its own
     _installation = made
     return _installation
 
