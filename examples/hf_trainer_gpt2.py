@@ -75,6 +75,14 @@ def dataset(args, vocab_size: int) -> list[dict]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
+def checkpointing(training_arguments, args) -> dict:
+    """Trainer's own checkpointing switch, under the name this transformers gives it: transformers 5
+    calls gradient_checkpointing activation_checkpointing, and warns at the old name."""
+    fields = getattr(training_arguments, "__dataclass_fields__", {})
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: args.gradient_checkpointing}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     used_before = used_gpu_bytes()
@@ -92,7 +100,7 @@ def main(argv=None) -> dict:
     timer = StepTimes()
     training = TrainingArguments(
         output_dir="/tmp/hf_trainer_gpt2", per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-        learning_rate=1e-4, bf16=not args.cpu, use_cpu=args.cpu, gradient_checkpointing=args.gradient_checkpointing,
+        learning_rate=1e-4, bf16=not args.cpu, use_cpu=args.cpu, **checkpointing(TrainingArguments, args),
         logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=args.seed, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=training, train_dataset=dataset(args, config.vocab_size),
                       callbacks=callbacks + [timer.callback])

@@ -276,6 +276,22 @@ def test_the_trainer_example_runs_unchanged_under_the_launcher_and_is_planned(tm
     assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["losses"]) == 5
 
 
+def test_the_trainer_examples_own_checkpointing_takes_the_planners_place_under_todays_name(
+        tmp_path, fake_install, clean_process, capsys, recwarn):
+    """Trainer's checkpointing switch is passed under the name the installed transformers gives it
+    (transformers 5 warns at gradient_checkpointing); the model then recomputes itself, and no
+    planner attaches."""
+    pytest.importorskip("accelerate")
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_gpt2.py"
+    args = ("--tiny", "--cpu", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--gradient-checkpointing")
+    assert launch(Target(str(example), None, args), budget="1GiB", json_path=str(tmp_path / "r.json")) == 0
+    assert "planner" not in json.loads((tmp_path / "r.json").read_text())
+    assert not [w for w in recwarn if "checkpointing" in str(w.message) and "deprecated" in str(w.message)]
+    assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["losses"]) == 3
+
+
 def test_the_um_alloc_command_is_the_same_entry_point(tmp_path, fake_install, clean_process, monkeypatch):
     import tomllib
     from pathlib import Path
