@@ -176,8 +176,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             log_probs = F.log_softmax(chunk, 1, dtype=dtype)  # as cross_entropy: autocast keeps it
             torch.gather(log_probs, 1, index[start:end], out=picked[start:end])
             if row_max is not None:
-                # At the row's largest logit, (x - max) - log(sum) is -log(sum), exactly. The
-                # narrow logits hold the same largest values, in half the bytes of an upcast.
+                # At the row's largest logit, (x - max) - log(sum) is -log(sum), exactly. Where the
+                # loss only widens the logits, the narrow ones hold the same largest values, in half
+                # the bytes of an upcast; a bias moves them, so those rows are read from the sum.
                 values = logits[start:end] if rows.bias is None else chunk
                 largest, at = values.max(1, keepdim=True)
                 row_max[start:end] = largest
