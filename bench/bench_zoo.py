@@ -22,6 +22,9 @@ With --ablations, what the planner's step is made of, each also under the launch
   um_checkpointing   no budget, every layer checkpointed by Hugging Face: the peer on um_alloc
   planner_recompute  the budget, the planner told to recompute every block (strategy: checkpoint)
 
+With --plain-loss, also planner_plain_loss: the planner with its chunked cross-entropy off
+(scheduler.lean_loss: false), the model's or the loop's loss left to PyTorch.
+
 Records (the protocol's fields, with the model, the peers' k, the planner's plan, predicted step
 time and calibration, and each method's ratio to the fastest peer that fits) share one run_id and go to
 bench/results/RUN_ID/zoo_<model>.json. A method that does not fit is recorded with its status.
@@ -36,6 +39,7 @@ is in samples_per_s_runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -109,6 +113,8 @@ def planner_record(launched: tuple, method: str, **common) -> dict:
     return record(summary, status, note, method=method, plan_table=report.get("plan_table"), **planner_fields(planner),
                   # steps run in the safe mode to measure, and input shapes planned or borrowing a plan
                   safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"),
+                  # cross-entropies computed in chunks, inside the model's forward or in the loop
+                  lean_loss_calls=planner.get("lean_loss_calls"),
                   # over the whole run: cudaMallocManaged and cudaFree calls (cudaFree waits for the
                   # device), and requests that overflowed to host memory
                   pool_calls={key: (report.get("memory_stats") or {}).get(key)
@@ -160,13 +166,15 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
         if k != every[0]["checkpointed_layers"]:
             again["frontier"] = lambda: peer_run(model, args, budget, str(k))
     again["planner"] = lambda: launched_run("planner", model, args, budget=budget)
+    variants = {}  # planner runs under another policy: method -> (scheduler keys, what the policy is)
     if args.ablations:
-        recompute_all = write_policy(args.out_dir / "policies", "planner_recompute",
-                                     with_scheduler(raw_policy("planner"), strategy="checkpoint"),
-                                     "planner.yaml, every block recomputed")
-        runs["planner_recompute"] = []
-        again["planner_recompute"] = lambda: launched_run("planner_recompute", model, args, budget=budget,
-                                                          policy=recompute_all)
+        variants["planner_recompute"] = ({"strategy": "checkpoint"}, "planner.yaml, every block recomputed")
+    if args.plain_loss:
+        variants["planner_plain_loss"] = ({"lean_loss": False}, "planner.yaml, the loss left to PyTorch")
+    for method, (keys, what) in variants.items():
+        policy = write_policy(args.out_dir / "policies", method, with_scheduler(raw_policy("planner"), **keys), what)
+        runs[method] = []
+        again[method] = functools.partial(launched_run, method, model, args, budget=budget, policy=policy)
     for repeat in range(args.repeats):
         for method, run_one in again.items():
             if repeat or not runs[method]:  # the peers' first runs are the search's
@@ -177,8 +185,7 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
     records = [record(*pooled(runs["checkpointing"]), method="checkpointing", **common),
                record(*pooled(runs["frontier"]), method="frontier", frontier_tried=tried, **common),
                planner_record(pooled(runs["planner"]), "planner", **common)]
-    if args.ablations:
-        records.append(planner_record(pooled(runs["planner_recompute"]), "planner_recompute", **common))
+    records += [planner_record(pooled(runs[method]), method, **common) for method in variants]
     peers = [r["samples_per_s"] for r in records[:2] if r["samples_per_s"]]
     for r in records:
         r["ratio_vs_fastest_peer"] = ratio(r["samples_per_s"], max(peers) if peers else None)
@@ -258,6 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")
+    p.add_argument("--plain-loss", action="store_true", help="also the planner with its chunked cross-entropy off "
+                   "(see above)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     sys.path.insert(0, str(ZOO_TRAIN.parent))

@@ -261,6 +261,19 @@ def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block
     assert next(r for r in records if r["method"] == "planner_recompute")["budget_bytes"] == 12 * GiB
 
 
+def test_plain_loss_runs_the_planner_again_with_its_chunked_loss_off(monkeypatch, tmp_path):
+    stand_in = StandIn()
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", "--plain-loss", "--repeats", "2"])
+    args.out_dir = tmp_path
+    records = bench_zoo.compare_model("vit", args, "zoo-test")
+    assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "planner", "planner_plain_loss"]
+    assert "lean_loss: false" in (tmp_path / "policies" / "planner_plain_loss.yaml").read_text()
+    assert stand_in.runs.count("planner_plain_loss") == 2  # alternated with the others, as every timed method
+    plain_loss = records[-1]
+    assert plain_loss["budget_bytes"] == 12 * GiB and plain_loss["ratio_vs_fastest_peer"] is not None
+
+
 class Noisy(StandIn):
     """The stand-in, each run's samples/s scaled by the next of `factors` (the host's and the
     clocks' noise); the planner's second run runs out of memory."""
