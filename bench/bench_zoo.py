@@ -83,10 +83,11 @@ def zoo_run(name: str, model: str, args, *extra: str, launch: tuple[str, ...] = 
 
 
 def loop_args(args) -> list[str]:
-    """How the script's loop trains (zoo_train.py --accumulate, --fp16, --freeze-layers)."""
+    """How the script's loop trains (zoo_train.py --accumulate, --fp16, --freeze-layers, --loop-loss)."""
     out = ["--accumulate", str(args.accumulate)] if args.accumulate > 1 else []
     out += ["--fp16"] if args.fp16 else []
-    return out + (["--freeze-layers", str(args.freeze_layers)] if args.freeze_layers else [])
+    out += ["--freeze-layers", str(args.freeze_layers)] if args.freeze_layers else []
+    return out + (["--loop-loss"] if args.loop_loss else [])
 
 
 def peer_run(model: str, args, budget: int, layers: str) -> tuple[dict | None, str, str]:
@@ -229,6 +230,7 @@ def loop_suffix(args) -> str:
     parts = [f"accumulate{args.accumulate}"] if args.accumulate > 1 else []
     parts += ["fp16"] if args.fp16 else []
     parts += [f"freeze{args.freeze_layers}"] if args.freeze_layers else []
+    parts += ["looploss"] if args.loop_loss else []
     return "".join(f"_{p}" for p in parts)
 
 
@@ -262,6 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "gradients of N micro-batches a step")
     p.add_argument("--fp16", action="store_true", help="zoo_train.py --fp16: float16 with a GradScaler")
     p.add_argument("--freeze-layers", type=int, default=0, metavar="K", help="zoo_train.py --freeze-layers")
+    p.add_argument("--loop-loss", action="store_true", help="zoo_train.py --loop-loss: the decoders' loss taken "
+                   "in the loop from their logits")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")

@@ -24,7 +24,8 @@ have no tiny version.
 Loops as users write them: --accumulate N accumulates gradients over N micro-batches of --batch
 (the optimizer's state is then made after N forwards and backwards); --fp16 trains in float16
 autocast with a GradScaler instead of bfloat16; --freeze-layers K freezes the embeddings and the
-first K layers (a partial fine-tune: the optimizer holds state for the rest only).
+first K layers (a partial fine-tune: the optimizer holds state for the rest only); --loop-loss
+(the decoders) takes the loss in the loop from the model's logits instead of passing labels.
 
 --lengths MIN:MAX (the sequence models) gives each step a sequence length drawn from MIN to MAX,
 rounded up to a multiple of --pad-to (default 8), as a data collator padding each batch to its
@@ -192,6 +193,17 @@ def _next_token_loss(model, inputs: dict) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
+def _loop_next_token_loss(model, inputs: dict) -> torch.Tensor:
+    """A decoder's loss as a PyTorch loop takes it: logits without labels, shifted, flattened and
+    upcast, then cross-entropy (what transformers' ForCausalLMLoss computes inside the model)."""
+    labels = inputs["labels"]
+    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+
+DECODERS = ("llama", "gpt2", "opt", "neox", "qwen2", "bloom")  # their batches: input_ids, labels the same
+
+
 def _torchvision(name: str):
     def build(tiny: bool):
         if tiny:
@@ -312,6 +324,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp16", action="store_true", help="float16 autocast with a GradScaler (default: bfloat16)")
     p.add_argument("--freeze-layers", type=int, default=0, metavar="K",
                    help="freeze the input embeddings and the first K layers")
+    p.add_argument("--loop-loss", action="store_true", help=f"the loss taken in the loop from the logits "
+                   f"({', '.join(DECODERS)})")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -329,6 +343,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--freeze-layers must be at least 0; got {args.freeze_layers}")
     if args.pad_to < 1:
         p.error(f"--pad-to must be at least 1; got {args.pad_to}")
+    if args.loop_loss and args.model not in DECODERS:
+        p.error(f"--loop-loss applies to the decoders ({', '.join(DECODERS)}), not {args.model}")
     if args.lengths is not None:
         args.lengths = _lengths(p, args)
     return args
@@ -470,7 +486,10 @@ def train(args, device: torch.device) -> dict:
                 if args.model == "llama":  # its labels are its input
                     inputs["labels"] = inputs[zoo.sequence_key]
             with autocast:
-                loss = zoo.loss(call, inputs) if zoo.loss is not None else call(**inputs).loss
+                if args.loop_loss:
+                    loss = _loop_next_token_loss(call, inputs)
+                else:
+                    loss = zoo.loss(call, inputs) if zoo.loss is not None else call(**inputs).loss
             if args.accumulate > 1:
                 loss = loss / args.accumulate
             scaler.scale(loss).backward()
@@ -484,7 +503,7 @@ def train(args, device: torch.device) -> dict:
     step_s = statistics.fmean(timed) if lengths else statistics.median(timed)
     samples = batch_size * args.accumulate
     return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": samples,
-            "micro_batch": batch_size, "accumulate": args.accumulate, "fp16": args.fp16,
+            "micro_batch": batch_size, "accumulate": args.accumulate, "fp16": args.fp16, "loop_loss": args.loop_loss,
             "checkpointed_layers": layers, "frozen_layers": frozen, "compiled": args.compile,
             "parameters": sum(p.numel() for p in model.parameters()),
             "trained_parameters": sum(p.numel() for p in trained), "steps": args.steps,
@@ -497,6 +516,7 @@ def workload_name(args) -> str:
     """The model and how the loop trains it: gpt2-accumulate4-bf16-adamw, encoder-fp16-adamw, ..."""
     loop = [f"accumulate{args.accumulate}"] if args.accumulate > 1 else []
     loop += [f"freeze{args.freeze_layers}"] if args.freeze_layers else []
+    loop += ["looploss"] if args.loop_loss else []
     return "-".join([args.model + ("-tiny" if args.tiny else ""), *loop, "fp16" if args.fp16 else "bf16", "adamw"])
 
 

@@ -50,6 +50,17 @@ def test_the_loops_options_accumulate_freeze_and_name_the_workload():
     assert frozen["trained_parameters"] == frozen["parameters"] - embeddings - first_layer
 
 
+def test_the_loop_loss_is_the_models_own_loss_taken_in_the_loop():
+    """--loop-loss computes in the loop what transformers' ForCausalLMLoss computes inside the
+    model: the same first loss, to rounding (the two sum in other orders)."""
+    run = ["--model", "gpt2", "--tiny", "--cpu", "--steps", "2", "--warmup", "1"]
+    inside, loop = zoo_train.main(run), zoo_train.main([*run, "--loop-loss"])
+    assert loop["loop_loss"] and loop["workload"] == "gpt2-tiny-looploss-bf16-adamw"
+    assert loop["losses"][0] == pytest.approx(inside["losses"][0], rel=1e-5)
+    with pytest.raises(SystemExit):
+        zoo_train.parse_args(["--model", "encoder", "--loop-loss"])  # its loss is the loop's already
+
+
 def test_torchvisions_models_say_what_they_need():
     with pytest.raises(SystemExit, match="no --tiny version"):
         zoo_train.MODELS["convnext"].build(True)
