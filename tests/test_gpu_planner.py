@@ -83,12 +83,6 @@ def test_a_language_models_upcast_logits_are_taken_narrow_with_plain_trainings_l
     assert result["lean_loss_upcasts"] > 0 and result["lean_loss_upcasts"] == result["lean_loss_calls"]
 
 
-def test_a_loss_the_loop_takes_from_the_logits_is_chunked_with_plain_trainings_losses(cuda_device):
-    result = _check("loop_loss")
-    assert result["planned"] == result["plain"]
-    assert result["lean_loss_calls"] == 6 and result["lean_loss_upcasts"] == 6  # every step's, from bf16
-
-
 def test_an_out_of_memory_step_is_replanned_and_trains(cuda_device):
     result = _check("oom")
     assert result["retried"] >= 1

@@ -12,7 +12,6 @@ from test_planner_replay import Fixed, decisions_for, gradients, tiny_bert
 from um_alloc.planner import Decision, find_units
 from um_alloc.planner.lean_loss import ALIGN_BYTES, LeanLoss, _Rows, applies, chunked_cross_entropy
 from um_alloc.planner.replay import Runtime
-from torch.overrides import TorchFunctionMode
 
 
 def logits_and_target(dtype, rows=300, classes=211):
@@ -152,108 +151,6 @@ def test_a_planned_models_loss_is_chunked_with_plain_gradients(make, upcasts, au
     assert runtime.lean_loss.calls == 1 and runtime.lean_loss.upcast_calls == upcasts
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
     assert torch._C._len_torch_function_stack() == 0  # the mode left with the forward
-
-
-def loop_loss(model, ids):
-    """A loss as a training loop takes it from the model's output, and the gradients it gives:
-    bf16 logits shifted, flattened (a copy) and upcast, then cross_entropy; or logits the model
-    gave upcast already, viewed as rows (a slice of them is not followed to the bf16 ones)."""
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids).logits
-    if logits.dtype == torch.float32:
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), ids.view(-1))
-    else:
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def planned(model):
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
-                      window=1 << 20, min_bytes=1)
-    runtime.lean_loss.min_bytes = 0
-    runtime.attach()
-    return runtime
-
-
-@pytest.mark.parametrize("upcast_in_forward", [False, True], ids=["upcast_in_the_loop", "upcast_by_a_wrapper"])
-def test_a_loss_the_loop_takes_from_the_output_is_chunked_with_plain_gradients(upcast_in_forward):
-    """The loop, not the model, computes the loss (a PyTorch loop, a Lightning training_step):
-    the chunks take it as they take a loss inside forward. The upcast may be the loop's own or
-    made in forward by a wrapper (accelerate's mixed precision returns fp32 outputs); either
-    way the chunks take the bf16 logits. The mode is left at the optimizer's step."""
-    model = tiny_gpt2()
-    if upcast_in_forward:
-        inner = model.forward
-
-        def upcast_outputs(*args, **kwargs):  # as accelerate's convert_outputs_to_fp32
-            out = inner(*args, **kwargs)
-            out["logits"] = out["logits"].float()
-            return out
-        model.forward = upcast_outputs
-    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
-    plain = [loop_loss(model, ids) for _ in range(2)]
-    runtime = planned(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # steps that leave the weights as they are
-    try:
-        for step in range(2):
-            loss, grads = loop_loss(model, ids)
-            assert torch.equal(loss, plain[step][0]) and all(torch.equal(a, b) for a, b in zip(grads, plain[step][1]))
-            assert torch._C._len_torch_function_stack() == 1  # until the loop goes on
-            optimizer.step()
-            assert torch._C._len_torch_function_stack() == 0
-    finally:
-        runtime.detach()
-    assert runtime.lean_loss.calls == 2 and runtime.lean_loss.upcast_calls == 2
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
-    assert not _global_optimizer_pre_hooks
-
-
-def test_the_loops_loss_ends_at_the_next_forward_and_at_detach():
-    """Gradients accumulated over two forwards without an optimizer's step, then an evaluation
-    forward, then detach: the mode is on the stack once at most, and gone at the end."""
-    model = tiny_gpt2()
-    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
-    runtime = planned(model)
-    try:
-        for _ in range(2):
-            model(input_ids=ids).logits.float().sum().backward()
-            assert torch._C._len_torch_function_stack() == 1
-        with torch.no_grad():
-            model(input_ids=ids)
-        assert torch._C._len_torch_function_stack() == 0
-        model(input_ids=ids)
-    finally:
-        runtime.detach()
-    assert torch._C._len_torch_function_stack() == 0
-
-
-def test_the_loops_loss_leaves_the_modes_entered_after_it_in_place():
-    """A mode the loop enters between the model's forward and the end of its loss (a FLOP
-    counter, say) stays, and so does its order; only the chunked loss's mode leaves."""
-    class Counting(TorchFunctionMode):
-        calls = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            Counting.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    model = tiny_gpt2()
-    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
-    runtime = planned(model)
-    first, second = Counting(), Counting()
-    try:
-        logits = model(input_ids=ids).logits
-        first.__enter__(), second.__enter__()
-        torch.optim.SGD(model.parameters(), lr=0.0).step()  # the loop goes on: the mode leaves from below
-        assert torch.overrides._get_current_function_mode_stack() == [first, second]
-        F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
-        second.__exit__(None, None, None), first.__exit__(None, None, None)
-    finally:
-        runtime.detach()
-    assert runtime.lean_loss.calls == 0 and Counting.calls > 0
-    assert torch._C._len_torch_function_stack() == 0
 
 
 def upcast_logits(dtype, rows=300, classes=211):

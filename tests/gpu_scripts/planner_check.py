@@ -53,19 +53,7 @@ def step(model, optimizer, ids, seed):
     return train_step(model, optimizer, {"input_ids": ids, "labels": ids})
 
 
-def loop_loss_step(model, optimizer, ids, seed):
-    """A step whose loop takes the loss from the model's logits, as a PyTorch loop writes it."""
-    torch.manual_seed(seed)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-
-
-def side_by_side(make, batch, decisions=None, step=step) -> tuple[dict, object]:
+def side_by_side(make, batch, decisions=None) -> tuple[dict, object]:
     """Two models from `make` see the same six batches (`batch(generator)`) and seeds, one plain,
     one planned, its loss chunked however small; their losses, and the planner."""
     plain, plain_opt = make()
@@ -394,7 +382,7 @@ def _upcast_case(dtype, autocast: bool, biased: bool = False) -> dict:
             "took_narrow": mode.upcast_calls == 1}
 
 
-def gpt2(step=step) -> dict:
+def gpt2() -> dict:
     """A small GPT-2, whose loss upcasts its logits (transformers' ForCausalLMLoss), planned and
     plain: the same losses, the loss computed from the bf16 logits."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -406,15 +394,10 @@ def gpt2(step=step) -> dict:
             model = GPT2LMHeadModel(config).cuda().train()
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    losses, planner = side_by_side(make, lambda data: torch.randint(0, 4096, (16, 256), generator=data), step=step)
+    losses, planner = side_by_side(make, lambda data: torch.randint(0, 4096, (16, 256), generator=data))
     summary = planner.to_dict()
     return {**losses, "plan": planner.plan.counts(), "lean_loss_calls": summary["lean_loss_calls"],
             "lean_loss_upcasts": summary["lean_loss_upcasts"]}
-
-
-def loop_loss() -> dict:
-    """The same GPT-2 with the loss taken in the loop from its logits, upcast there."""
-    return gpt2(step=loop_loss_step)
 
 
 def large_batch() -> dict:
@@ -435,7 +418,6 @@ def large_batch() -> dict:
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
-         "loop_loss": loop_loss,
          "large_batch": large_batch, "failed": failed}
 
 if __name__ == "__main__":

@@ -140,11 +140,11 @@ class BlockPlanner:
             checkpointing: keep matmul and attention outputs, recompute the rest) save GPU time but
             run every op through a Python dispatch mode, twice, which costs more CPU time than
             many hosts can hide; ask for them where the GPU, not the CPU, sets the pace.
-        lean_loss: compute a cross-entropy of at least 512 MiB of logits in row chunks, inside the
-            model's forward (a Hugging Face model's loss) or in the loop from its output, bit for
-            bit PyTorch's result with 2 GB less at BERT-Large's peaks, and from the bf16 logits
-            where the model or the loop upcast them (um_alloc.planner.lean_loss). Default: the
-            installed policy's scheduler.lean_loss (true unless a policy says otherwise).
+        lean_loss: compute a cross-entropy of at least 512 MiB of logits inside the model's forward
+            (a Hugging Face model's loss) in row chunks, bit for bit PyTorch's result with 2 GB less
+            at BERT-Large's peaks, and from the bf16 logits where the model upcast them
+            (um_alloc.planner.lean_loss). Default: the installed policy's scheduler.lean_loss
+            (true unless a policy says otherwise).
         one_node_recompute: recompute a block, once its first call has shown that it reaches only
             its arguments and its own parameters, as one node of the graph (um_alloc.planner.rerun)
             rather than through torch.utils.checkpoint, which costs the host twice as much. False

@@ -68,9 +68,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch._C import _pop_torch_function_stack, _push_on_torch_function_stack
 from torch.overrides import TorchFunctionMode
-from torch.overrides import _get_current_function_mode_stack as _function_modes
 
 __all__ = ["LeanLoss", "chunked_cross_entropy", "applies"]
 
@@ -349,20 +347,6 @@ class LeanLoss(TorchFunctionMode):
     def __exit__(self, *exc):
         self._upcasts.clear()
         return super().__exit__(*exc)
-
-    def leave(self) -> None:
-        """Takes this mode off the stack wherever it is on it, leaving the modes entered after it
-        in their order. A loss the training loop computes is taken with the mode entered as the
-        model's forward ended and left where the loop goes on (replay.Runtime), which need not be
-        where a mode the loop entered in between is left first."""
-        self._upcasts.clear()
-        if self not in _function_modes():
-            return
-        above = []
-        while (top := _pop_torch_function_stack()) is not self:
-            above.append(top)
-        for mode in reversed(above):
-            _push_on_torch_function_stack(mode)
 
 
 _CASTS = (torch.Tensor.float, torch.Tensor.double, torch.Tensor.to, torch.Tensor.type)

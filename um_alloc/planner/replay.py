@@ -22,9 +22,7 @@ Each unit's ``forward`` is wrapped (an attribute on the instance, removed by ``d
 
 Outside every unit, while the root's forward runs, a large cross-entropy is computed in row
 chunks (lean_loss.LeanLoss: the same result, half the loss's memory): that is where a model
-computes its loss. A loop that computes it from the model's output gets the same until it goes
-on: the mode stays entered past a training step's forward until the model's next forward, any
-optimizer's step, or detach.
+computes its loss.
 
 While attached, every Hugging Face config the model holds has ``use_cache`` off (an encoder-decoder's
 decoder holds a copy of its own): a recomputation would append to the cache again. ``detach``
@@ -48,9 +46,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-from torch.utils.hooks import RemovableHandle
 
 from ..offload import ActivationOffload
 from ..rebuild import as_saved, broadcast
@@ -177,8 +173,6 @@ class Runtime:
         self._handles: list = []
         self.lean_loss = LeanLoss() if lean_loss else None
         self._outside: list | None = None  # what runs outside every unit, in a step's forward
-        self._loop_loss: RemovableHandle | None = None  # while the loop's loss is taken: the optimizer
-        #                                                   hook that ends it
         self._cached: list = []               # the configs whose use_cache attach turned off
         # Per unit: whether it may be recomputed as one node (rerun.py); None until a call
         # through torch.utils.checkpoint has shown what its forward reaches. What the calls of a
@@ -208,7 +202,6 @@ class Runtime:
             handle.remove()
         self._handles = []
         self._outside_units(False)
-        self._end_loop_loss()
         self.close_open_step()
         self.arenas.close()
 
@@ -220,7 +213,6 @@ class Runtime:
     def begin_step(self, signature: tuple, partial: bool = False) -> None:
         """A forward of the root begins: the root's pre-hook, or a caller whose hooks see only
         the positional arguments (`partial`: `signature` is theirs alone; the director decides)."""
-        self._end_loop_loss()
         if not torch.is_grad_enabled():
             self._step = None  # evaluation: the units run as they are; an open step stays open
             return
@@ -245,12 +237,11 @@ class Runtime:
         self._outside_units(True)
 
     def _end_forward(self, module, args, output) -> None:
+        self._outside_units(False)  # also when forward raised (always_call)
         step, self._step = self._step, None
-        raised = output is None and sys.exc_info()[1] is not None
-        self._outside_units(False, loss_goes_on=step is not None and not raised)  # also when forward raised
         if step is None:
             return
-        if raised:
+        if output is None and sys.exc_info()[1] is not None:
             # Forward raised (an out-of-memory error at the loss): no backward will come. Let go of
             # the step now, so that a loop that runs it again has the room it had.
             self.close_open_step()
@@ -352,23 +343,17 @@ class Runtime:
             self._on_backward(step, index, out)
         return out
 
-    def _outside_units(self, on: bool, loss_goes_on: bool = False) -> None:
+    def _outside_units(self, on: bool) -> None:
         """Enters (or leaves) what applies outside every unit in a step's forward: the chunked
         cross-entropy (a model's loss comes after its last unit), and the rest's moves if it moves.
-        Entered and left directly, twice a unit: no ExitStack to build each time. As a training
-        step's forward ends (`loss_goes_on`), the chunked cross-entropy stays entered for the loss
-        the loop computes from the output (_start_loop_loss), with the upcasts forward made."""
+        Entered and left directly, twice a unit: no ExitStack to build each time."""
         if on == (self._outside is not None):
             return
         if not on:
             entered, self._outside = self._outside, None
             for context in reversed(entered):
-                if loss_goes_on and context is self.lean_loss:
-                    self._start_loop_loss()
-                else:
-                    context.__exit__(None, None, None)
+                context.__exit__(None, None, None)
             return
-        self._end_loop_loss()
         step, entered = self._step, []
         if self.lean_loss is not None:
             entered.append(self.lean_loss)
@@ -377,24 +362,6 @@ class Runtime:
         for context in entered:
             context.__enter__()
         self._outside = entered
-
-    def _start_loop_loss(self) -> None:
-        """A loop that takes its loss from the model's output (a language model's logits through
-        cross_entropy in a PyTorch loop or a Lightning training_step) gets the chunked
-        cross-entropy as a model computing its loss inside forward does. The mode stays entered
-        on the loop's thread until the loop goes on: the model's next forward, any optimizer's
-        step, or detach. Backward runs without it (Tensor.backward leaves it for its call)."""
-        self._loop_loss = register_optimizer_step_pre_hook(self._optimizer_steps)
-
-    def _optimizer_steps(self, optimizer, args, kwargs) -> None:
-        self._end_loop_loss()
-
-    def _end_loop_loss(self) -> None:
-        if self._loop_loss is None:
-            return
-        hook, self._loop_loss = self._loop_loss, None
-        hook.remove()
-        self.lean_loss.leave()
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
         parked: list[_Parked] = []
