@@ -23,7 +23,8 @@ With --ablations, what the planner's step is made of, each also under the launch
   planner_recompute  the budget, the planner told to recompute every block (strategy: checkpoint)
 
 With --plain-loss, also planner_plain_loss: the planner with its chunked cross-entropy off
-(scheduler.lean_loss: false), the model's or the loop's loss left to PyTorch.
+(scheduler.lean_loss: false), the model's loss left to PyTorch (a loss the loop takes, as with
+zoo_train.py --loop-loss, is PyTorch's either way).
 
 Records (the protocol's fields, with the model, the peers' k, the planner's plan, predicted step
 time and calibration, and each method's ratio to the fastest peer that fits) share one run_id and go to
