@@ -292,6 +292,54 @@ def test_the_trainer_examples_own_checkpointing_takes_the_planners_place_under_t
     assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["losses"]) == 3
 
 
+ACCELERATE_LOOP = """
+    import json, sys, torch, transformers
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")  # forward under autocast, outputs made fp32
+    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=2, n_positions=32)  # dropout 0.1
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.utils.data.DataLoader([torch.randint(0, 97, (16,)) for _ in range(8)], batch_size=2)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    model.train()
+    losses = []
+    for ids in data:
+        outputs = model(input_ids=ids, labels=ids)
+        accelerator.backward(outputs.loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(outputs.loss.item())
+    print(json.dumps(losses))
+    """
+
+
+def test_a_plain_accelerate_loop_runs_unchanged_under_the_launcher_and_is_planned(tmp_path, fake_install,
+                                                                                 clean_process, retags, capsys):
+    """accelerate's own loop (not Trainer): the model it prepared (its forward wrapped in autocast)
+    is found and planned, the AcceleratedOptimizer's state is tagged, and the losses are the
+    script's own, dropout's masks replayed in the measuring steps' recomputations."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    script = write(tmp_path, "accelerate_loop.py", ACCELERATE_LOOP)
+    AcceleratorState._reset_state(True)  # accelerate keeps one state a process; each run makes its own
+    assert launch(Target(str(script), None, ()), budget="1GiB", json_path=str(tmp_path / "r.json")) == 0
+    launched = json.loads(capsys.readouterr().out.splitlines()[-1])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["model"] == "GPT2LMHeadModel" and report["planner"]["blocks"] == 3
+    assert report["planner"]["safe_steps"] == 2 and report["planner"]["plan"]["decisions"]
+    assert "optimizer_state" in retags
+    import runpy
+    AcceleratorState._reset_state(True)
+    sys.argv = [str(script)]
+    plain = runpy.run_path(str(script), run_name="__main__")["losses"]
+    AcceleratorState._reset_state(True)
+    assert len(launched) == 4 and launched == plain
+
+
 def test_the_um_alloc_command_is_the_same_entry_point(tmp_path, fake_install, clean_process, monkeypatch):
     import tomllib
     from pathlib import Path
