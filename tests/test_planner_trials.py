@@ -151,6 +151,17 @@ def test_checkpointings_plan_is_tried_beside_the_best_where_keeping_and_recomput
     assert runners_up(best, lambda allowed: None, DEFAULT, far) == [best]
 
 
+def test_a_runner_up_that_is_checkpointings_plan_too_is_tried_once_and_named_both_ways():
+    cal = transformer(blocks=8)
+    best = make_plan(cal, 11 * GiB)
+    first = checkpointing_plan(cal, 11 * GiB)
+    assert first.decisions != best.decisions
+    candidates = runners_up(replace(best, decisions=best.decisions[:-1] + (Decision.REBUILD,)),
+                            lambda allowed: replace(first, made="made"), DEFAULT, first)
+    assert len(candidates) == 2 and candidates[1].decisions == first.decisions
+    assert candidates[1].made == f"the model's fastest without rebuilds, which is {first.made}"
+
+
 def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
     """On the CPU every plan keeps everything; the wiring is what is tested: the candidates run
     in turn from the first planned step, the table and to_dict report them, force() ends them."""

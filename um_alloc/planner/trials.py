@@ -133,7 +133,8 @@ def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Pl
     returns without that family; and `checkpointing`, the first blocks recomputed and the rest
     kept (planning.checkpointing_plan), where keeping and recomputing are allowed. Each is skipped
     where none fits, where it is a plan already listed, or where it is predicted more than
-    ALTERNATIVE_WITHIN slower than `best`.
+    ALTERNATIVE_WITHIN slower than `best`. A runner-up that is checkpointing's plan as well (the
+    best without rebuilds often is) is named both ways.
 
     Checkpointing's plan is there because what a recomputation adds depends on whether the host or
     the GPU sets the backward's pace, which the safe step, paced by its own reruns, does not show.
@@ -144,7 +145,12 @@ def runners_up(best: Plan, make, allowed: frozenset[Decision], checkpointing: Pl
     out: list[Plan] = [best]
 
     def offer(alternative: Plan | None) -> None:
-        if alternative is None or any(alternative.decisions == p.decisions for p in out):
+        if alternative is None:
+            return
+        same = next((j for j, p in enumerate(out) if p.decisions == alternative.decisions), None)
+        if same is not None:
+            if same > 0 and alternative is checkpointing:  # the trial's line says it is checkpointing's too
+                out[same] = replace(out[same], made=f"{out[same].made}, which is {checkpointing.made}")
             return
         if alternative.predicted_step_s <= ALTERNATIVE_WITHIN * best.predicted_step_s:
             out.append(alternative)
