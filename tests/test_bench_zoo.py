@@ -258,12 +258,17 @@ def test_a_budget_that_no_checkpointing_fits_is_recorded_not_searched(monkeypatc
     assert planner["ratio_vs_fastest_peer"] is None and planner["samples_per_s"] == 95.0
 
 
-def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block(monkeypatch, tmp_path):
+def vit_at_0_6(monkeypatch, tmp_path, *flags: str) -> tuple["StandIn", list[dict]]:
+    """ViT at 0.6 of stock's peak with `flags`, every run the stand-in's: the runs and the records."""
     stand_in = StandIn()
     monkeypatch.setattr(bench_zoo, "run_train", stand_in)
-    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", "--ablations"])
+    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", *flags])
     args.out_dir = tmp_path
-    records = bench_zoo.compare_model("vit", args, "zoo-test")
+    return stand_in, bench_zoo.compare_model("vit", args, "zoo-test")
+
+
+def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block(monkeypatch, tmp_path):
+    _, records = vit_at_0_6(monkeypatch, tmp_path, "--ablations")
     assert [r["method"] for r in records] == ["stock", "um_in_memory", "um_checkpointing", "checkpointing",
                                              "frontier", "planner", "planner_recompute"]
     policy = (tmp_path / "policies" / "planner_recompute.yaml").read_text()
@@ -273,11 +278,7 @@ def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block
 
 
 def test_plain_loss_runs_the_planner_again_with_its_chunked_loss_off(monkeypatch, tmp_path):
-    stand_in = StandIn()
-    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
-    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", "--plain-loss", "--repeats", "2"])
-    args.out_dir = tmp_path
-    records = bench_zoo.compare_model("vit", args, "zoo-test")
+    stand_in, records = vit_at_0_6(monkeypatch, tmp_path, "--plain-loss", "--repeats", "2")
     assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "planner", "planner_plain_loss"]
     assert "lean_loss: false" in (tmp_path / "policies" / "planner_plain_loss.yaml").read_text()
     assert stand_in.runs.count("planner_plain_loss") == 2  # alternated with the others, as every timed method
@@ -330,11 +331,7 @@ def test_repeats_alternate_the_methods_and_record_the_median_of_their_runs(monke
 
 
 def test_the_ablations_run_the_allocator_in_memory_right_after_each_of_stocks_runs(monkeypatch, tmp_path):
-    stand_in = StandIn()
-    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
-    args = bench_zoo.parse_args(["--models", "vit", "--fractions", "0.6", "--ablations", "--repeats", "2"])
-    args.out_dir = tmp_path
-    records = bench_zoo.compare_model("vit", args, "zoo-test")
+    stand_in, records = vit_at_0_6(monkeypatch, tmp_path, "--ablations", "--repeats", "2")
     after_stock = [stand_in.runs[i + 1] for i, name in enumerate(stand_in.runs) if name == "stock"]
     assert after_stock == ["um_in_memory", "um_in_memory"]
     in_memory = next(r for r in records if r["method"] == "um_in_memory")
