@@ -115,7 +115,7 @@ def planner_record(launched: tuple, method: str, **common) -> dict:
     return record(summary, status, note, method=method, plan_table=report.get("plan_table"), **planner_fields(planner),
                   # steps run in the safe mode to measure, and input shapes planned or borrowing a plan
                   safe_steps=planner.get("safe_steps"), inputs=planner.get("inputs"),
-                  # cross-entropies computed in chunks, inside the model's forward or in the loop
+                  # cross-entropies computed in chunks (a model's loss inside its forward)
                   lean_loss_calls=planner.get("lean_loss_calls"),
                   # over the whole run: cudaMallocManaged and cudaFree calls (cudaFree waits for the
                   # device), and requests that overflowed to host memory
