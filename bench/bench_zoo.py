@@ -134,6 +134,7 @@ def record(summary: dict | None, status: str, note: str, *, method: str, model: 
                # --lengths: each step's sequence length, and the mean step that samples/s is made of
                lengths=(summary or {}).get("lengths"), step_s_mean=(summary or {}).get("step_s_mean"),
                step_seconds=(summary or {}).get("step_seconds"),  # the first run's, every step
+               gpu_clocks=(summary or {}).get("gpu_clocks"),  # the first run's, as its timed steps began and at its end
                samples_per_s_runs=(summary or {}).get("samples_per_s_runs"), **fields)
     return out
 

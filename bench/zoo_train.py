@@ -445,6 +445,16 @@ def used_gpu_bytes() -> int | None:
     return None if memory is None else memory.used_bytes
 
 
+def gpu_clocks(device: torch.device) -> dict | None:
+    """The GPU's SM clock, temperature, power and what holds its clocks back (NVML), off the GPU None:
+    steps on these hosts drift by a third within a run, and the clocks say whether the GPU did."""
+    if device.type != "cuda":
+        return None
+    from um_alloc.device_info import device_clocks  # NVML: does not start CUDA
+
+    return device_clocks(device.index or 0)
+
+
 def peak_allocated(device: torch.device) -> int | None:
     """PyTorch's peak of allocated bytes; None off the GPU, or where the allocator keeps no count."""
     if device.type != "cuda":
@@ -474,8 +484,10 @@ def train(args, device: torch.device) -> dict:
     autocast = torch.autocast(device.type, dtype=precision, enabled=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=args.fp16 and device.type == "cuda")
     lengths = step_lengths(args.lengths, args.steps, args.seed, args.pad_to) if args.lengths else None
-    losses, seconds = [], []
+    losses, seconds, clocks = [], [], {}
     for step in range(args.steps):
+        if step == args.warmup:
+            clocks["timed_start"] = gpu_clocks(device)  # between steps: no step's time holds the query
         begun = time.perf_counter()
         total = 0.0
         for micro in range(args.accumulate):
@@ -499,6 +511,7 @@ def train(args, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # waits for the step, as a loop that logs its loss does
         seconds.append(time.perf_counter() - begun)
+    clocks["end"] = gpu_clocks(device)
     timed = seconds[args.warmup:]
     step_s = statistics.fmean(timed) if lengths else statistics.median(timed)
     samples = batch_size * args.accumulate
@@ -509,6 +522,7 @@ def train(args, device: torch.device) -> dict:
             "trained_parameters": sum(p.numel() for p in trained), "steps": args.steps,
             "step_s_median": statistics.median(timed), "step_s_mean": statistics.fmean(timed),
             "samples_per_s": samples / step_s, "lengths": lengths, "step_seconds": seconds, "losses": losses,
+            "gpu_clocks": clocks,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 

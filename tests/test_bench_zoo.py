@@ -50,6 +50,11 @@ def test_the_loops_options_accumulate_freeze_and_name_the_workload():
     assert frozen["trained_parameters"] == frozen["parameters"] - embeddings - first_layer
 
 
+def test_off_the_gpu_the_clocks_are_not_read():
+    run = zoo_train.main(["--model", "gpt2", "--tiny", "--cpu", "--steps", "2", "--warmup", "1"])
+    assert run["gpu_clocks"] == {"timed_start": None, "end": None}
+
+
 def test_the_loop_loss_is_the_models_own_loss_taken_in_the_loop():
     """--loop-loss computes in the loop what transformers' ForCausalLMLoss computes inside the
     model: the same first loss, to rounding (the two sum in other orders)."""

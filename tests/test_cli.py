@@ -12,7 +12,7 @@ import pytest
 
 import um_alloc.__main__ as cli
 from um_alloc import device_info
-from um_alloc.device_info import DeviceMemory, device_memory, unified_memory_capabilities
+from um_alloc.device_info import DeviceMemory, device_clocks, device_memory, unified_memory_capabilities
 from um_alloc.policy import GiB
 from conftest import fake_pynvml
 
@@ -154,6 +154,30 @@ def test_device_memory_via_fake_nvml(monkeypatch):
     assert device_memory(1).name == "GPU GPU-abc"
     assert device_memory(2) is None                                  # not visible to CUDA
     assert nvml.calls.count("init") == nvml.calls.count("shutdown") == 5
+
+
+def test_device_clocks_via_fake_nvml_and_what_it_leaves_out(monkeypatch):
+    nvml = fake_pynvml({0: (80 * GiB, GiB), 1: (80 * GiB, 0)})
+    nvml.NVML_CLOCK_SM, nvml.NVML_TEMPERATURE_GPU = 1, 0
+    nvml.nvmlClocksEventReasonSwPowerCap, nvml.nvmlClocksEventReasonSwThermalSlowdown = 4, 32
+    nvml.nvmlDeviceGetClockInfo = lambda h, clock: {0: 1590, 1: 1980}[h] if clock == 1 else pytest.fail("not SM")
+    nvml.nvmlDeviceGetMaxClockInfo = lambda h, clock: 1980
+    nvml.nvmlDeviceGetTemperature = lambda h, sensor: 71
+    nvml.nvmlDeviceGetPowerUsage = lambda h: 612500  # mW
+
+    def reasons(h):
+        if h == 1:
+            raise nvml.NVMLError("Not Supported")
+        return 4 | 32
+    nvml.nvmlDeviceGetCurrentClocksEventReasons = reasons
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_clocks(0) == {"sm_mhz": 1590, "sm_max_mhz": 1980, "temperature_c": 71, "power_w": 612.5,
+                                "held_back_by": ["power_cap", "thermal"]}
+    assert device_clocks(1)["held_back_by"] is None and device_clocks(1)["sm_mhz"] == 1980  # one query refused
+    del nvml.nvmlDeviceGetPowerUsage                                 # bindings without it
+    assert device_clocks(0)["power_w"] is None
+    assert device_clocks(2) is None                                  # no such device
 
 
 def test_device_memory_without_nvml_library(monkeypatch):

@@ -1,7 +1,8 @@
-"""What the GPU offers: memory (NVML) and unified-memory capabilities (CUDA runtime attributes).
+"""What the GPU offers: memory and clocks (NVML) and unified-memory capabilities (CUDA runtime
+attributes).
 
-``device_memory`` uses NVML only, so it is safe before the allocator is installed: it never
-initialises CUDA. ``unified_memory_capabilities`` asks the CUDA runtime through cuda-bindings,
+``device_memory`` and ``device_clocks`` use NVML only, so they are safe before the allocator is
+installed: they never initialise CUDA. ``unified_memory_capabilities`` asks the CUDA runtime through cuda-bindings,
 which initialises the CUDA driver in this process (not torch's CUDA state); call it from tools
 such as ``python -m um_alloc info``, not on the way to ``install()``.
 
@@ -14,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeviceMemory", "device_memory", "visible_device_count", "visible_devices_note",
+__all__ = ["DeviceMemory", "device_memory", "device_clocks", "visible_device_count", "visible_devices_note",
            "unified_memory_capabilities"]
 
 # cudaDeviceAttr member -> key in the capabilities dict (the attribute's name in CUDA docs).
@@ -46,6 +47,45 @@ def device_memory(index: int = 0) -> DeviceMemory | None:
         handle = _nvml_handle(pynvml, index)
         return None if handle is None else _memory_of(pynvml, handle)
     return _with_nvml(query)
+
+
+# NVML's clock event reasons (nvmlClocksEventReason*), by the names device_clocks gives them.
+_CLOCK_EVENTS = {"GpuIdle": "idle", "ApplicationsClocksSetting": "applications_clocks",
+                 "SwPowerCap": "power_cap", "HwSlowdown": "hardware_slowdown", "SyncBoost": "sync_boost",
+                 "SwThermalSlowdown": "thermal", "HwThermalSlowdown": "hardware_thermal",
+                 "HwPowerBrakeSlowdown": "power_brake", "DisplayClockSetting": "display_clocks"}
+
+
+def device_clocks(index: int = 0) -> dict[str, Any] | None:
+    """The SM clock of CUDA device `index` now and its maximum (MHz), its temperature (C), its
+    power draw (W), and the reasons NVML gives for clocks below the maximum (power cap, thermal,
+    ...); None where NVML, the driver or the device is missing, and None for a figure NVML does not
+    give. Steps on a shared host drift with these: a benchmark records them beside its times.
+    Devices are counted as by device_memory. Never initialises CUDA."""
+    def query(pynvml: Any) -> dict[str, Any] | None:
+        handle = _nvml_handle(pynvml, index)
+        return None if handle is None else _clocks_of(pynvml, handle)
+    return _with_nvml(query)
+
+
+def _clocks_of(pynvml: Any, handle: Any) -> dict[str, Any]:
+    def read(call: str, *args: Any) -> Any:
+        try:
+            return getattr(pynvml, call)(handle, *args)
+        except (pynvml.NVMLError, AttributeError):  # a query this GPU or these bindings do not have
+            return None
+
+    sm = getattr(pynvml, "NVML_CLOCK_SM", 1)
+    power_mw = read("nvmlDeviceGetPowerUsage")
+    reasons = read("nvmlDeviceGetCurrentClocksEventReasons")
+    return {"sm_mhz": read("nvmlDeviceGetClockInfo", sm), "sm_max_mhz": read("nvmlDeviceGetMaxClockInfo", sm),
+            "temperature_c": read("nvmlDeviceGetTemperature", getattr(pynvml, "NVML_TEMPERATURE_GPU", 0)),
+            "power_w": None if power_mw is None else power_mw / 1000,
+            "held_back_by": None if reasons is None else _clock_events(pynvml, reasons)}
+
+
+def _clock_events(pynvml: Any, reasons: int) -> list[str]:
+    return [name for key, name in _CLOCK_EVENTS.items() if reasons & getattr(pynvml, f"nvmlClocksEventReason{key}", 0)]
 
 
 def visible_device_count() -> int | None:
