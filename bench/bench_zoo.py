@@ -27,7 +27,8 @@ With --plain-loss, also planner_plain_loss: the planner with its chunked cross-e
 zoo_train.py --loop-loss, is PyTorch's either way).
 
 Records (the protocol's fields, with the model, the peers' k, the planner's plan, predicted step
-time and calibration, and each method's ratio to the fastest peer that fits) share one run_id and go to
+time and calibration, each method's ratio to the fastest peer that fits, and the GPU's clocks as its
+first run's timed steps began and ended) share one run_id and go to
 bench/results/RUN_ID/zoo_<model>.json. A method that does not fit is recorded with its status.
 
 With --repeats N (default 2) the timed methods at each budget (checkpointing, the frontier's k,
