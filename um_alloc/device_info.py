@@ -157,8 +157,10 @@ def unified_memory_capabilities(index: int = 0) -> dict[str, Any]:
     """Unified-memory attributes of CUDA device `index`, plus versions and NVML memory.
 
     Keys: name, pci_bus_id, compute_capability ("9.0"), the attributes in _UM_ATTRIBUTES (bool),
-    driver_version and runtime_version ("13.0"), and total_bytes / free_bytes / used_bytes (int)
-    when NVML answers. Raises RuntimeError saying what is missing when there is no usable device.
+    driver_version and runtime_version ("13.0"), and when NVML answers total_bytes / free_bytes /
+    used_bytes (int) and the clocks of device_clocks (sm_mhz, ..., held_back_by: the names of what
+    keeps the clocks below their maximum, None where NVML gives none of these). Raises
+    RuntimeError saying what is missing when there is no usable device.
     """
     try:
         from cuda.bindings import runtime as rt  # here, as pynvml above
@@ -189,6 +191,7 @@ def unified_memory_capabilities(index: int = 0) -> dict[str, Any]:
     if memory is not None:
         caps.update(total_bytes=memory.total_bytes, free_bytes=memory.free_bytes,
                     used_bytes=memory.used_bytes)
+    caps.update(_with_nvml(lambda nv: _clocks_of(nv, nv.nvmlDeviceGetHandleByPciBusId(caps["pci_bus_id"]))) or {})
     return caps
 
 
