@@ -2,11 +2,11 @@
 attributes).
 
 ``device_memory`` and ``device_clocks`` use NVML only, so they are safe before the allocator is
-installed: they never initialise CUDA. ``unified_memory_capabilities`` asks the CUDA runtime through cuda-bindings,
-which initialises the CUDA driver in this process (not torch's CUDA state); call it from tools
-such as ``python -m um_alloc info``, not on the way to ``install()``.
+installed: they never initialise CUDA. ``unified_memory_capabilities`` asks the CUDA runtime
+through cuda-bindings, which initialises the CUDA driver in this process (not torch's CUDA
+state); call it from tools such as ``python -m um_alloc info``, not on the way to ``install()``.
 
-Both import their bindings lazily, so this module imports with neither installed.
+All import their bindings lazily, so this module imports with neither installed.
 """
 
 from __future__ import annotations
