@@ -258,9 +258,11 @@ class ActivationOffload:
         self._let_go()
 
     def _let_go(self) -> None:
-        """Kept tensors and host copies are autograd's alone from here."""
+        """Kept tensors and host copies are autograd's alone from here: a backward still to come
+        over what the step saved (a second loss of the step's forwards) copies each back as it asks."""
         self._seen.clear()
         self._offloaded = []
+        self._cursor = -1
         if self._roots:
             self._roots.clear()
 
