@@ -12,6 +12,7 @@
     python tests/gpu_scripts/planner_check.py arenas  # between steps the step arenas are wholly free
     python tests/gpu_scripts/planner_check.py large_batch  # large_batch.yaml: host optimizer state, spilled head
     python tests/gpu_scripts/planner_check.py failed  # what a step that ran out of memory leaves live, per decision
+    python tests/gpu_scripts/planner_check.py pairs   # two forwards before each backward: one step, plain's losses
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -92,6 +93,39 @@ def lengths() -> dict:
         if "last_step_ran_plan_of" in planner.to_dict()["inputs"]:
             borrowed.append((length, planner.plan.counts()))
     return {**losses, "safe_steps": planner.safe_steps, "inputs": planner.to_dict()["inputs"], "borrowed": borrowed}
+
+
+def pairs() -> dict:
+    """Two batches a step, one loss over both (a pair loss's shape): plain's losses, and the
+    blocks' kept bytes measured for both forwards, against a planner of one batch a step."""
+    plain, plain_opt = bert()
+    planned, planned_opt = bert()
+    planner = um_alloc.plan(planned, budget="2GiB")
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        first, second = (torch.randint(5, 1024, (16, 128), generator=data).cuda() for _ in range(2))
+        for name, model, optimizer in (("plain", plain, plain_opt), ("planned", planned, planned_opt)):
+            torch.manual_seed(i)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=first, labels=first).loss + model(input_ids=second, labels=second).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    pair_kept = _blocks_kept_bytes(planner)
+    result = {**losses, "safe_steps": planner.safe_steps, "plan": planner.plan.counts()}
+    planner.remove()
+    single, single_opt = bert()
+    planner = um_alloc.plan(single, budget="2GiB")
+    for i in range(3):
+        step(single, single_opt, torch.randint(5, 1024, (16, 128), generator=data).cuda(), i)
+    return {**result, "pair_kept_bytes": pair_kept, "single_kept_bytes": _blocks_kept_bytes(planner)}
+
+
+def _blocks_kept_bytes(planner) -> int:
+    """What the measured step found its blocks save when kept, over all their calls."""
+    return sum(u.saved_bytes for u in planner.calibration.units if u.kind == "block")
 
 
 def vit():
@@ -418,7 +452,7 @@ def large_batch() -> dict:
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
-         "large_batch": large_batch, "failed": failed}
+         "large_batch": large_batch, "failed": failed, "pairs": pairs}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit

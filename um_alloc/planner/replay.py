@@ -29,8 +29,12 @@ decoder holds a copy of its own): a recomputation would append to the cache agai
 turns it back on.
 
 A step begins at the root module's forward with gradients enabled and ends when autograd's
-backward has finished (a callback queued from the first gradient hook); a step whose backward never
-came is closed at the next forward. What a step allocates in between comes from the pool's step
+backward has finished (a callback queued from the first gradient hook). A loop may call the model
+more than once before its backward (a pair of inputs for one contrastive loss, a discriminator's
+real and generated batches): a forward that begins while an earlier one's graph is still alive,
+with no backward between them, joins that step, so that the step's plan and its measurements cover
+everything backward will need (up to MOST_FORWARDS_A_STEP forwards). A step whose backward never
+came (its graph gone, as after an evaluation with gradients on) is closed at the next forward. What a step allocates in between comes from the pool's step
 arenas (arenas.py). The director (the planner) gives each step its decisions and whether to record it.
 """
 from __future__ import annotations
@@ -40,6 +44,7 @@ import functools
 import logging
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -63,6 +68,7 @@ from .selective import SAVED_OPS, KeptOpTimer, selective_contexts
 __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 
 MiB = 1 << 20
+MOST_FORWARDS_A_STEP = 16   # forwards a step gathers before backward; past them the step is closed
 log = logging.getLogger("um_alloc.planner")
 
 
@@ -91,9 +97,22 @@ class Step:
     in_backward: bool = False
     done: bool = False
     oom: bool = False
+    forwards: int = 1              # the model's forwards this step has gathered
+    graphs: list = field(default_factory=list)  # per forward that made one, a weak reference to _GraphAlive
 
     def mark(self, label: str, unit: int | None = None) -> int | None:
         return self.spec.recorder.mark(label, unit) if self.spec.recorder else None
+
+    def awaits_backward(self) -> bool:
+        """Whether a backward may still come for a forward of this step: none has begun, and the
+        graph of one of its forwards is still held (by the loss, or by outputs kept for it)."""
+        return not self.done and not self.in_backward and any(alive() is not None for alive in self.graphs)
+
+
+class _GraphAlive:
+    """Held by the hook on a forward's output, which autograd keeps as long as the graph: a weak
+    reference to it tells whether that graph can still be backpropagated through."""
+    __slots__ = ("__weakref__",)
 
 
 class _Parked:
@@ -220,6 +239,9 @@ class Runtime:
             self._compile_noted = True
             if _called_through_torch_compile():
                 log.warning(COMPILED_NOTE)
+        if self._joins_open_step():
+            self._next_forward()
+            return
         self.close_open_step()
         for index, shown in self._shown.items():
             self._reruns[index] = shown
@@ -236,6 +258,21 @@ class Runtime:
         self._step.mark("forward start")
         self._outside_units(True)
 
+    def _joins_open_step(self) -> bool:
+        """Whether this forward belongs to the open step: its forward has ended, and a backward may
+        still come for it (the model called again before the loss's backward)."""
+        step = self._open
+        return (step is not None and self._step is None and step.awaits_backward()
+                and step.forwards < MOST_FORWARDS_A_STEP)
+
+    def _next_forward(self) -> None:
+        """Another forward of the open step: the same decisions, measured in the same record."""
+        step = self._step = self._open
+        step.forwards += 1
+        self._where = self.rest
+        step.mark("forward start")
+        self._outside_units(True)
+
     def _end_forward(self, module, args, output) -> None:
         self._outside_units(False)  # also when forward raised (always_call)
         step, self._step = self._step, None
@@ -247,7 +284,9 @@ class Runtime:
             self.close_open_step()
             return
         step.mark("forward end")
-        self._on_backward(step, None, output)
+        alive = self._on_backward(step, None, output, _GraphAlive())
+        if alive is not None:
+            step.graphs.append(weakref.ref(alive))
 
     def _saved_tensors_moved(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -281,7 +320,7 @@ class Runtime:
             self.transfers.abort_step()
             self.director.end(step, completed=False)
 
-    def _backward_reached(self, step: Step, unit: int | None, grad) -> None:
+    def _backward_reached(self, step: Step, unit: int | None, grad, token=None) -> None:
         if not step.in_backward:
             step.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, step))
@@ -300,12 +339,14 @@ class Runtime:
             self._open = None
         self.director.end(step, completed=True)
 
-    def _on_backward(self, step: Step, unit: int | None, output) -> None:
-        """Hooks the first tensor of `output` that requires grad: backward has reached it."""
+    def _on_backward(self, step: Step, unit: int | None, output, token: "_GraphAlive | None" = None):
+        """Hooks the first tensor of `output` that requires grad: backward has reached it. The
+        hook holds `token`, which lives as long as the graph holds the hook; returned where hooked."""
         for t in _tensors(output):
             if t.requires_grad:
-                t.register_hook(functools.partial(self._backward_reached, step, unit))
-                return
+                t.register_hook(functools.partial(self._backward_reached, step, unit, token=token))
+                return token
+        return None
 
     # -- one unit's forward --
 

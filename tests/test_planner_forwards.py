@@ -1,0 +1,106 @@
+"""A loop that calls the model more than once before its backward (a pair of inputs for one
+contrastive or ranking loss, a discriminator's real and generated batches): the forwards are one
+step, planned and measured as one, and every decision trains as plain autograd does."""
+import copy
+
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, Decision, find_units
+from um_alloc.planner.replay import MOST_FORWARDS_A_STEP, Runtime
+from planner_helpers import Fixed, decisions_for
+from test_planner_replay import tiny_bert
+
+transformers = pytest.importorskip("transformers")
+
+
+def pair_of_batches(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 97, (4, 16), generator=generator) for _ in range(2))
+
+
+def pair_step(model, pair, backwards: str = "one"):
+    """Both forwards, then backward over the sum of their losses ("one"), or over each loss in
+    turn ("each"); the loss and the gradients."""
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    first, second = (model(input_ids=ids, labels=ids).loss for ids in pair)
+    if backwards == "one":
+        (first + 2 * second).backward()
+    else:
+        first.backward()
+        second.backward()
+    return (first + second).detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("backwards", ["one", "each"])
+@pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
+def test_two_forwards_before_backward_are_one_step_and_train_as_plain_autograd(decision, backwards):
+    model = tiny_bert(dropout=0.1)
+    pair = pair_of_batches()
+    plain = pair_step(copy.deepcopy(model), pair, backwards)
+    units = find_units(model)
+    director = Fixed(decisions_for(units, decision))
+    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        for _ in range(2):
+            assert same(pair_step(model, pair, backwards), plain)  # dropout masks replayed in both forwards
+    finally:
+        runtime.detach()
+    assert director.ended == [True, True]  # a step per backward, each ended by it, none left open
+
+
+def test_a_forward_whose_graph_is_gone_is_a_step_of_its_own_closed_at_the_next():
+    """Evaluation with gradients on: each forward's output is dropped, so no backward can come."""
+    model = tiny_bert(dropout=0.0)
+    units = find_units(model)
+    director = Fixed(decisions_for(units, Decision.RECOMPUTE))
+    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        ids = pair_of_batches()[0]
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.item()
+        assert director.ended == [False, False]  # the third is open until the next forward
+        pair_step(model, pair_of_batches())
+    finally:
+        runtime.detach()
+    assert director.ended == [False, False, False, True]
+
+
+def test_outputs_held_without_a_backward_are_closed_after_the_most_forwards_a_step_gathers():
+    model = tiny_bert(dropout=0.0)
+    units = find_units(model)
+    director = Fixed(decisions_for(units, Decision.MOVE))
+    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        ids = pair_of_batches()[0]
+        held = [model(input_ids=ids, labels=ids).loss for _ in range(MOST_FORWARDS_A_STEP + 1)]
+        assert director.ended == [False]  # the first step took MOST_FORWARDS_A_STEP forwards
+        torch.stack(held).sum().backward()  # every graph still trains, moved tensors fetched on demand
+    finally:
+        runtime.detach()
+    assert director.ended == [False, True]
+
+
+def test_the_planner_measures_both_forwards_in_one_step_and_trains_as_plain_autograd():
+    """Two safe steps measure (each of two forwards), then the plan runs; dropout on throughout."""
+    model = tiny_bert(dropout=0.1)
+    plain = copy.deepcopy(model)
+    planner = BlockPlanner(model, "1GiB")
+    try:
+        for seed in range(4):
+            pair = pair_of_batches(seed)
+            assert same(pair_step(model, pair), pair_step(plain, pair)), f"step {seed}"
+        assert planner.safe_steps == 2
+        assert planner.plan is not None
+        recomputed = [u for u in planner.calibration.units if u.kind == "block"]
+        assert all(u.recompute_s > 0 for u in recomputed)
+    finally:
+        planner.remove()
