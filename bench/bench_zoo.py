@@ -85,10 +85,12 @@ def zoo_run(name: str, model: str, args, *extra: str, launch: tuple[str, ...] = 
 
 
 def loop_args(args) -> list[str]:
-    """How the script's loop trains (zoo_train.py --accumulate, --fp16, --freeze-layers, --loop-loss)."""
+    """How the script's loop trains (zoo_train.py --accumulate, --fp16, --freeze-layers, --loop-loss,
+    --pairs)."""
     out = ["--accumulate", str(args.accumulate)] if args.accumulate > 1 else []
     out += ["--fp16"] if args.fp16 else []
     out += ["--freeze-layers", str(args.freeze_layers)] if args.freeze_layers else []
+    out += ["--pairs"] if args.pairs else []
     return out + (["--loop-loss"] if args.loop_loss else [])
 
 
@@ -234,6 +236,7 @@ def loop_suffix(args) -> str:
     parts += ["fp16"] if args.fp16 else []
     parts += [f"freeze{args.freeze_layers}"] if args.freeze_layers else []
     parts += ["looploss"] if args.loop_loss else []
+    parts += ["pairs"] if args.pairs else []
     return "".join(f"_{p}" for p in parts)
 
 
@@ -269,6 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--freeze-layers", type=int, default=0, metavar="K", help="zoo_train.py --freeze-layers")
     p.add_argument("--loop-loss", action="store_true", help="zoo_train.py --loop-loss: the decoders' loss taken "
                    "in the loop from their logits")
+    p.add_argument("--pairs", action="store_true", help="zoo_train.py --pairs: two forwards, of two batches, "
+                   "before each backward")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     p.add_argument("--ablations", action="store_true", help="also the runs that say what the planner's step "
                    "costs (see above)")

@@ -25,7 +25,10 @@ Loops as users write them: --accumulate N accumulates gradients over N micro-bat
 (the optimizer's state is then made after N forwards and backwards); --fp16 trains in float16
 autocast with a GradScaler instead of bfloat16; --freeze-layers K freezes the embeddings and the
 first K layers (a partial fine-tune: the optimizer holds state for the rest only); --loop-loss
-(the decoders) takes the loss in the loop from the model's logits instead of passing labels.
+(the decoders) takes the loss in the loop from the model's logits instead of passing labels;
+--pairs calls the model on two batches and takes one backward over the sum of their losses (the
+shape of a pair or contrastive loss's step, or a discriminator's real and generated batches), so
+that a step trains twice --batch.
 
 --lengths MIN:MAX (the sequence models) gives each step a sequence length drawn from MIN to MAX,
 rounded up to a multiple of --pad-to (default 8), as a data collator padding each batch to its
@@ -326,6 +329,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="freeze the input embeddings and the first K layers")
     p.add_argument("--loop-loss", action="store_true", help=f"the loss taken in the loop from the logits "
                    f"({', '.join(DECODERS)})")
+    p.add_argument("--pairs", action="store_true", help="two forwards, of two batches, before each backward")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -484,6 +488,7 @@ def train(args, device: torch.device) -> dict:
     autocast = torch.autocast(device.type, dtype=precision, enabled=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=args.fp16 and device.type == "cuda")
     lengths = step_lengths(args.lengths, args.steps, args.seed, args.pad_to) if args.lengths else None
+    calls = 2 if args.pairs else 1   # forwards before each backward
     losses, seconds, clocks = [], [], {}
     for step in range(args.steps):
         if step == args.warmup:
@@ -491,17 +496,11 @@ def train(args, device: torch.device) -> dict:
         begun = time.perf_counter()
         total = 0.0
         for micro in range(args.accumulate):
-            inputs = {k: v.to(device, non_blocking=True)
-                      for k, v in batches[(step * args.accumulate + micro) % BATCHES].items()}
-            if lengths:
-                inputs[zoo.sequence_key] = inputs[zoo.sequence_key][:, :lengths[step]]
-                if args.model == "llama":  # its labels are its input
-                    inputs["labels"] = inputs[zoo.sequence_key]
-            with autocast:
-                if args.loop_loss:
-                    loss = _loop_next_token_loss(call, inputs)
-                else:
-                    loss = zoo.loss(call, inputs) if zoo.loss is not None else call(**inputs).loss
+            first = (step * args.accumulate + micro) * calls
+            with autocast:  # every forward of the micro-batch before its one backward
+                loss = sum(_loss(args, zoo, call, _on_device(batches[(first + k) % BATCHES], device, zoo, lengths, step,
+                                                             args.model))
+                           for k in range(calls))
             if args.accumulate > 1:
                 loss = loss / args.accumulate
             scaler.scale(loss).backward()
@@ -514,9 +513,10 @@ def train(args, device: torch.device) -> dict:
     clocks["end"] = gpu_clocks(device)
     timed = seconds[args.warmup:]
     step_s = statistics.fmean(timed) if lengths else statistics.median(timed)
-    samples = batch_size * args.accumulate
+    samples = batch_size * args.accumulate * calls
     return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": samples,
             "micro_batch": batch_size, "accumulate": args.accumulate, "fp16": args.fp16, "loop_loss": args.loop_loss,
+            "forwards_per_backward": calls,
             "checkpointed_layers": layers, "frozen_layers": frozen, "compiled": args.compile,
             "parameters": sum(p.numel() for p in model.parameters()),
             "trained_parameters": sum(p.numel() for p in trained), "steps": args.steps,
@@ -526,11 +526,27 @@ def train(args, device: torch.device) -> dict:
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
+def _on_device(batch: dict, device: torch.device, zoo: ZooModel, lengths: list | None, step: int, model: str) -> dict:
+    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if lengths:
+        inputs[zoo.sequence_key] = inputs[zoo.sequence_key][:, :lengths[step]]
+        if model == "llama":  # its labels are its input
+            inputs["labels"] = inputs[zoo.sequence_key]
+    return inputs
+
+
+def _loss(args, zoo: ZooModel, call, inputs: dict) -> torch.Tensor:
+    if args.loop_loss:
+        return _loop_next_token_loss(call, inputs)
+    return zoo.loss(call, inputs) if zoo.loss is not None else call(**inputs).loss
+
+
 def workload_name(args) -> str:
     """The model and how the loop trains it: gpt2-accumulate4-bf16-adamw, encoder-fp16-adamw, ..."""
     loop = [f"accumulate{args.accumulate}"] if args.accumulate > 1 else []
     loop += [f"freeze{args.freeze_layers}"] if args.freeze_layers else []
     loop += ["looploss"] if args.loop_loss else []
+    loop += ["pairs"] if args.pairs else []
     return "-".join([args.model + ("-tiny" if args.tiny else ""), *loop, "fp16" if args.fp16 else "bf16", "adamw"])
 
 

@@ -66,6 +66,16 @@ def test_the_loop_loss_is_the_models_own_loss_taken_in_the_loop():
         zoo_train.parse_args(["--model", "encoder", "--loop-loss"])  # its loss is the loop's already
 
 
+def test_pairs_take_one_backward_over_two_forwards_losses():
+    """--pairs sums the losses of two batches before one backward; --accumulate 2 takes the same two
+    batches' mean with a backward after each, on the same weights: the first steps agree."""
+    run = ["--model", "gpt2", "--tiny", "--cpu", "--steps", "2", "--warmup", "1"]
+    pairs, accumulated = zoo_train.main([*run, "--pairs"]), zoo_train.main([*run, "--accumulate", "2"])
+    assert pairs["forwards_per_backward"] == 2 and pairs["batch"] == 4
+    assert pairs["workload"] == "gpt2-tiny-pairs-bf16-adamw"
+    assert pairs["losses"][0] == pytest.approx(2 * accumulated["losses"][0], rel=1e-5)
+
+
 def test_torchvisions_models_say_what_they_need():
     with pytest.raises(SystemExit, match="no --tiny version"):
         zoo_train.MODELS["convnext"].build(True)
