@@ -40,6 +40,7 @@ arenas (arenas.py). The director (the planner) gives each step its decisions and
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -206,9 +207,11 @@ class Runtime:
     def attach(self) -> None:
         for index, unit in enumerate(self.units):
             forward = unit.module.forward
-            unit.module.forward = _eager(functools.partial(self._call, index, forward))
-        self._handles = [self.model.register_forward_pre_hook(_eager(self._begin), with_kwargs=True),
-                         self.model.register_forward_hook(_eager(self._end_forward), always_call=True)]
+            unit.module.forward = _Installed(_eager(functools.partial(self._call, index, forward)), forward)
+        self._handles = [self.model.register_forward_pre_hook(_Installed(_eager(self._begin), _no_hook),
+                                                              with_kwargs=True),
+                         self.model.register_forward_hook(_Installed(_eager(self._end_forward), _no_hook),
+                                                          always_call=True)]
         self._cached = _caches_off(self.model)
 
     def detach(self) -> None:
@@ -227,6 +230,8 @@ class Runtime:
     # -- steps --
 
     def _begin(self, module, args, kwargs) -> None:
+        if _replica(module, self.model):
+            raise _replica_error(module)
         self.begin_step(input_signature(args, kwargs))
 
     def begin_step(self, signature: tuple, partial: bool = False) -> None:
@@ -274,6 +279,8 @@ class Runtime:
         self._outside_units(True)
 
     def _end_forward(self, module, args, output) -> None:
+        if _replica(module, self.model):
+            return  # refused as its forward began
         self._outside_units(False)  # also when forward raised (always_call)
         step, self._step = self._step, None
         if step is None:
@@ -589,6 +596,51 @@ def _called_through_torch_compile() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+class _Installed:
+    """What the runtime puts on the model: a unit's forward, the root's hooks. A copy of the model
+    (copy.deepcopy, as an EMA or a best-so-far copy is made) or its pickle (torch.save(model)) holds
+    `copied` in its place, and is not planned: a unit's own forward, so that a copy's blocks run
+    its own weights, and hooks that do nothing. A shallow copy shares the model's attributes and
+    children, and is planned as the model is; nn.DataParallel's replicas share its attributes but
+    not its children, and are refused (_replica_error)."""
+    __slots__ = ("_function", "_copied")
+
+    def __init__(self, function: Callable, copied: Callable):
+        self._function, self._copied = function, copied
+
+    def __call__(self, *args, **kwargs):
+        return self._function(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._copied, memo)
+
+    def __reduce__(self):
+        return _as_copied, (self._copied,)
+
+
+def _as_copied(function: Callable) -> Callable:
+    return function
+
+
+def _no_hook(*args, **kwargs) -> None:
+    """The root's hooks in a copy of a planned model: nothing."""
+    return None
+
+
+def _replica(module: nn.Module, model: nn.Module) -> bool:
+    """Whether the root's hooks were called for a replica nn.DataParallel made of the model."""
+    return module is not model and getattr(module, "_is_replica", False)
+
+
+def _replica_error(module: nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"um_alloc planner: {type(module).__name__} was called as an nn.DataParallel replica of the planned "
+        "model. The planner plans one model on one GPU, and a replica would run the planned model's own blocks "
+        "on its inputs. Run one process "
+        "per GPU instead (torchrun with DistributedDataParallel, which the planner supports), or make one GPU "
+        "visible (CUDA_VISIBLE_DEVICES=0) so that nn.DataParallel does not replicate.")
 
 
 def _eager(function: Callable) -> Callable:

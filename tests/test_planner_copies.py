@@ -1,0 +1,122 @@
+"""Copies of a planned model: a deep copy (an EMA, a best-so-far copy) and a pickle run their own
+weights, unplanned; a shallow copy is planned as the model; nn.DataParallel's replicas are refused
+with what to do instead."""
+import copy
+import io
+
+import pytest
+import torch
+
+from um_alloc.planner import BlockPlanner, planner_of
+from test_planner_replay import gradients, tiny_bert
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def halved(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    return model
+
+
+def planned_and_trained(dropout: float = 0.0):
+    """A model planned and trained for three steps (two measure, one runs the plan)."""
+    model = tiny_bert(dropout=dropout)
+    planner = BlockPlanner(model, "1GiB")
+    for _ in range(3):
+        gradients(model, IDS)
+    assert planner.plan is not None
+    return model, planner
+
+
+def test_a_deep_copy_runs_its_own_weights_and_is_not_planned():
+    model, planner = planned_and_trained()
+    try:
+        ema = halved(copy.deepcopy(model))
+        expected = logits(halved(_unplanned_copy(model)))
+        assert torch.equal(logits(ema), expected)  # not the planned model's blocks
+        assert not torch.equal(logits(ema), logits(model))
+        assert planner_of(ema) is None
+        assert all("forward" not in vars(m) or not _installed(vars(m)["forward"]) for m in ema.modules())
+        copied_steps = planner.safe_steps
+        ema.train()
+        loss, _ = gradients(ema, IDS)  # a training step of the copy: no step of the planner's
+        assert planner.safe_steps == copied_steps and torch.isfinite(loss)
+    finally:
+        planner.remove()
+
+
+def test_an_averaged_model_made_from_a_planned_one_averages_its_own_weights():
+    """torch.optim.swa_utils.AveragedModel deep-copies the model it averages."""
+    model, planner = planned_and_trained()
+    try:
+        averaged = torch.optim.swa_utils.AveragedModel(model)
+        plain_averaged = torch.optim.swa_utils.AveragedModel(_unplanned_copy(model))
+        for _ in range(2):  # the first update copies the weights, the second averages
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.1)
+            averaged.update_parameters(model)
+            plain_averaged.update_parameters(_unplanned_copy(model))
+        assert torch.equal(logits(averaged), logits(plain_averaged))
+        assert not torch.equal(logits(averaged), logits(model))
+    finally:
+        planner.remove()
+
+
+def test_a_pickled_planned_model_loads_unplanned_with_its_weights():
+    model, planner = planned_and_trained()
+    try:
+        saved = io.BytesIO()
+        torch.save(model, saved)  # a whole-model checkpoint
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        assert torch.equal(logits(loaded), logits(model))
+        assert planner_of(loaded) is None
+        loss, grads = gradients(loaded.train(), IDS)
+        assert torch.isfinite(loss) and all(g is not None for g in grads)
+    finally:
+        planner.remove()
+
+
+def test_a_shallow_copy_shares_the_blocks_and_is_planned_as_the_model():
+    model, planner = planned_and_trained(dropout=0.1)
+    plain = _unplanned_copy(model)
+    try:
+        shallow = copy.copy(model)
+        loss, grads = gradients(shallow, IDS)
+        plain_loss, plain_grads = gradients(plain, IDS)
+        assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    finally:
+        planner.remove()
+
+
+def test_a_data_parallel_replica_is_refused_with_what_to_do():
+    model, planner = planned_and_trained()
+    try:
+        replica = model._replicate_for_data_parallel()  # what nn.DataParallel's replicate() makes of each module
+        with pytest.raises(RuntimeError, match="DataParallel replica.*torchrun.*CUDA_VISIBLE_DEVICES"):
+            replica(input_ids=IDS, labels=IDS)
+        loss, _ = gradients(model, IDS)  # the model itself trains on
+        assert torch.isfinite(loss)
+    finally:
+        planner.remove()
+
+
+def _unplanned_copy(model):
+    """A copy of the model's weights in a model the planner never saw."""
+    fresh = tiny_bert(dropout=model.config.hidden_dropout_prob)
+    fresh.load_state_dict(model.state_dict())
+    return fresh.train(model.training)
+
+
+def _installed(value) -> bool:
+    return type(value).__name__ == "_Installed"
