@@ -1,6 +1,7 @@
-"""Copies of a planned model: a deep copy (an EMA, a best-so-far copy) and a pickle run their own
-weights, unplanned; a shallow copy is planned as the model; nn.DataParallel's replicas are refused
-with what to do instead."""
+"""Where a model runs other than as planned: a deep copy (an EMA, a best-so-far copy) and a pickle
+run their own weights, unplanned; a shallow copy is planned as the model; nn.DataParallel's
+replicas are refused with what to do instead; a loop calling model.forward() is told why nothing
+is planned."""
 import copy
 import io
 
@@ -120,3 +121,35 @@ def _unplanned_copy(model):
 
 def _installed(value) -> bool:
     return type(value).__name__ == "_Installed"
+
+
+def test_a_loop_that_calls_forward_directly_is_told_why_nothing_is_planned(caplog):
+    """model.forward(...) skips the hooks in which the planner begins a step."""
+    model = tiny_bert(dropout=0.0)
+    planner = BlockPlanner(model, "1GiB")
+    try:
+        with caplog.at_level("WARNING", logger="um_alloc.planner"):
+            for _ in range(2):
+                model.forward(input_ids=IDS, labels=IDS).loss.backward()
+        warned = [r.getMessage() for r in caplog.records if "model.forward(...) skips" in r.getMessage()]
+        assert len(warned) == 1 and "bert.encoder.layer.0" in warned[0]  # once, naming the first block
+        assert planner.safe_steps == 0
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="um_alloc.planner"):
+            gradients(model, IDS)  # through its hooks: measured, and nothing more is said
+        assert planner.safe_steps == 1 and not caplog.records
+    finally:
+        planner.remove()
+
+
+def test_blocks_run_under_no_grad_before_training_say_nothing(caplog):
+    model = tiny_bert(dropout=0.0)
+    planner = BlockPlanner(model, "1GiB")
+    try:
+        with caplog.at_level("WARNING", logger="um_alloc.planner"):
+            logits(model)                                # evaluation first, through the hooks
+            with torch.no_grad():
+                model.forward(input_ids=IDS)             # and without them, under no_grad
+        assert not caplog.records
+    finally:
+        planner.remove()

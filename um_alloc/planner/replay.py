@@ -201,6 +201,8 @@ class Runtime:
         self._clean: list[set[int]] = [set() for _ in units]  # per unit: rerun.RerunCall's graph sizes
         self._shown: dict[int, bool] = {}
         self._compile_noted = False           # whether the first training step looked for torch.compile
+        self._stepped = False                 # whether a training forward of the model has begun a step
+        self._unplanned_noted = False         # whether a block was seen training outside every step
 
     # -- attaching --
 
@@ -248,6 +250,7 @@ class Runtime:
             self._next_forward()
             return
         self.close_open_step()
+        self._stepped = True
         for index, shown in self._shown.items():
             self._reruns[index] = shown
         self._shown = {}
@@ -360,6 +363,8 @@ class Runtime:
     def _call(self, index: int, forward, *args, **kwargs):
         step = self._step
         if step is None:
+            if not self._stepped and not self._unplanned_noted and torch.is_grad_enabled():
+                self._note_unplanned(index)
             return forward(*args, **kwargs)
         decision = step.spec.decisions[index]
         self._outside_units(False)
@@ -390,6 +395,18 @@ class Runtime:
         if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
             self._on_backward(step, index, out)
         return out
+
+    def _note_unplanned(self, index: int) -> None:
+        """A block trains before any forward of the model began a step: the loop calls the model's
+        forward without its hooks, and nothing is planned. Said once."""
+        unit = self.units[index]
+        if unit.kind != "block":
+            return
+        self._unplanned_noted = True
+        log.warning("um_alloc planner: block %s ran with gradients on before any forward of %s began a training "
+                    "step, so it runs unplanned. The planner begins a step in the model's forward hooks, which "
+                    "model.forward(...) skips: call model(...), or plan the module the loop calls.",
+                    unit.name, type(self.model).__name__)
 
     def _outside_units(self, on: bool) -> None:
         """Enters (or leaves) what applies outside every unit in a step's forward: the chunked
