@@ -226,9 +226,15 @@ def test_capabilities_via_fake_runtime(monkeypatch, capsys):
     assert caps["total_bytes"] == 140 * GiB and caps["used_bytes"] == 4 * GiB
     assert caps["sm_mhz"] is None and caps["held_back_by"] is None  # this NVML has no clock queries
     sys.modules["pynvml"].nvmlDeviceGetClockInfo = lambda handle, clock: 1755
+    sys.modules["pynvml"].nvmlClocksEventReasonSwPowerCap = 4
+    sys.modules["pynvml"].nvmlDeviceGetCurrentClocksEventReasons = lambda handle: 4
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "sm_mhz:                                 1755" in out
+    assert "held_back_by:                           power_cap\n" in out
+    sys.modules["pynvml"].nvmlDeviceGetCurrentClocksEventReasons = lambda handle: 0
+    assert cli.main(["info"]) == 0
+    assert "held_back_by:                           nothing\n" in capsys.readouterr().out
     assert "pageableMemoryAccessUsesHostPageTables: True" in out      # the longest key
     assert "total_bytes:                            140.0 GiB (150323855360 bytes)" in out
     with pytest.raises(RuntimeError, match="CUDA device 3 does not exist: 1 device"):

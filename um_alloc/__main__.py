@@ -104,6 +104,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in caps.items():
         if key.endswith("_bytes"):
             value = f"{format_size(value)} ({value} bytes)"
+        elif isinstance(value, list):  # held_back_by: the names, or nothing holds the clocks back
+            value = ", ".join(value) or "nothing"
         print(f"{key + ':':<{width + 1}} {value}")
     return 0
 
