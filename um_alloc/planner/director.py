@@ -80,6 +80,8 @@ DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved") 
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
 BORROWED_STEPS = 16                  # steps an input runs a larger input's plan before it is measured itself
 PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOVED})  # need the first step's probes
+# PyTorch's selective checkpointing refuses a second backward through what it recomputed.
+NO_SECOND_DERIVATIVE = frozenset({Decision.SELECTIVE, Decision.SELECTIVE_MOVED})
 GROWTH_PLANNED_AGAIN = 64 << 20      # more in use as a step begins than a plan was measured with
 MAX_WINDOW = 512 << 20               # copies back in flight ahead of backward, at most (default_window)
 MAX_MARGIN = 512 << 20               # room left under the budget, at most (default_margin)
@@ -201,6 +203,7 @@ class BlockPlanner:
         self.overflowed_steps = 0                          # planned steps that overflowed to host memory
         self._overflow_settled = False                     # the margin is as large as any plan allows
         self._ooms = self._probe.out_of_memory_count()
+        self._second_derivatives_planned = False          # plans were made again once a second derivative came
         self._runtime = Runtime(model, self.units, self.device, self,
                                 window=window, lean_loss=lean_loss, one_node_recompute=one_node_recompute)
         self._runtime.attach()
@@ -212,6 +215,7 @@ class BlockPlanner:
         shape = self._shape(signature, partial)
         self._close_calibration(shape)
         self._follow_memory_in_use()
+        self._follow_second_derivatives()
         if shape.failures >= 2:
             raise PlanInfeasible(f"budget {format_size(self.budget)}: the safe mode (every block recomputed, "
                                  f"activations in host memory) ran out of memory {shape.failures} times for "
@@ -283,6 +287,16 @@ class BlockPlanner:
                     f"after the measuring ones, or gradients accumulated over micro-batches), and no plan fits "
                     f"with it: {error}", error.smallest_bytes) from None
 
+    def _follow_second_derivatives(self) -> None:
+        """Once a backward with create_graph=True has reached the model, plans that recompute
+        selectively are made again without it."""
+        if not self._runtime.second_derivatives or self._second_derivatives_planned:
+            return
+        self._second_derivatives_planned = True
+        if any(s.plan is not None and NO_SECOND_DERIVATIVE & set(s.plan.decisions) for s in self._shapes.values()):
+            log.info("planner: a second derivative reached the model; planning again without selective recomputation")
+            self._plan_again()
+
     def _new_layout(self, safe: bool) -> None:
         """Where a step lays its activations out anew (a safe step, the first planned step after
         one, any step after one that ran out of memory or overflowed), the step arenas the last
@@ -332,8 +346,10 @@ class BlockPlanner:
         return lender.lent[1]
 
     def _allowed(self, shape: _Shape) -> frozenset[Decision]:
-        """What its plan may use: what the figures of its steps support."""
-        return self.allowed if shape.probed else self.allowed - PROBED
+        """What its plan may use: what the figures of its steps support, and what a second
+        derivative can pass through once one has been seen."""
+        allowed = self.allowed if shape.probed else self.allowed - PROBED
+        return allowed - NO_SECOND_DERIVATIVE if self._runtime.second_derivatives else allowed
 
     def _shape(self, signature: tuple, partial: bool) -> _Shape:
         """The record of this input. A step whose keyword arguments were not seen (`partial`:

@@ -202,6 +202,10 @@ class Runtime:
         self._shown: dict[int, bool] = {}
         self._compile_noted = False           # whether the first training step looked for torch.compile
         self._stepped = False                 # whether a training forward of the model has begun a step
+        # Whether a backward that builds a graph of its own (create_graph=True: a gradient penalty,
+        # a second derivative) has reached the model: recomputations from moved inputs then go
+        # through torch.utils.checkpoint, whose graph reaches back through them (one node's cannot).
+        self.second_derivatives = False
         self._unplanned_noted = False         # whether a block was seen training outside every step
 
     # -- attaching --
@@ -331,6 +335,10 @@ class Runtime:
             self.director.end(step, completed=False)
 
     def _backward_reached(self, step: Step, unit: int | None, grad, token=None) -> None:
+        if torch.is_grad_enabled() and not self.second_derivatives:  # autograd runs create_graph's backward so
+            self.second_derivatives = True
+            log.info("planner: a backward with create_graph=True (a second derivative) reached the model: blocks "
+                     "recomputed from moved inputs go through torch.utils.checkpoint from here on")
         if not step.in_backward:
             step.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, step))
@@ -460,7 +468,7 @@ class Runtime:
         forward was seen to reach only its arguments and parameters, with arguments whose every
         tensor the node takes."""
         if decision not in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED) or step.spec.count_ops \
-                or not self._reruns[index]:
+                or not self._reruns[index] or (decision.moves_inputs and self.second_derivatives):
             return None
         unit = self.units[index]
         rerunning = functools.partial(self._recomputing, step, index, parked, inputs)

@@ -175,8 +175,9 @@ class RerunCall:
         create_graph = torch.is_grad_enabled()
         if create_graph and self._moved_inputs:
             raise RuntimeError(f"planner: a second derivative (create_graph=True) through {self._name}, whose "
-                               "inputs went to host memory, cannot reach back through them: leave "
-                               "'recompute_moved' out of the planner's decisions")
+                               "inputs went to host memory, cannot reach back through them as one node. From the "
+                               "next step on such blocks are recomputed through torch.utils.checkpoint, which can: "
+                               "run this step again (or leave 'recompute_moved' out of the planner's decisions)")
         leaves = [self._resolve(v) for v in self._leaves]
         inputs = []
         for k, value in enumerate(leaves):
