@@ -1,9 +1,12 @@
-"""What the planner's CPU tests share: a director with fixed decisions, a model that changes a
-block's input in place after the block has run, and one whose blocks the search cannot find."""
+"""What the planner's CPU tests share: a director with fixed decisions (and a runtime attached
+with it), a model that changes a block's input in place after the block has run, and one whose
+blocks the search cannot find."""
+import contextlib
+
 import torch
 
-from um_alloc.planner import Decision
-from um_alloc.planner.replay import StepSpec
+from um_alloc.planner import Decision, find_units
+from um_alloc.planner.replay import Runtime, StepSpec
 
 
 class Fixed:
@@ -22,6 +25,20 @@ class Fixed:
 def decisions_for(units, decision):
     gap = decision if decision in (Decision.KEEP, Decision.MOVE) else Decision.MOVE
     return tuple(decision if u.kind == "block" else gap for u in units) + (gap,)
+
+
+@contextlib.contextmanager
+def fixed_decisions(model, decision):
+    """The model's units run `decision` (gaps as decisions_for says) in every step, on the CPU,
+    until the block ends; yields the runtime and its Fixed director."""
+    units = find_units(model)
+    director = Fixed(decisions_for(units, decision))
+    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
+    runtime.attach()
+    try:
+        yield runtime, director
+    finally:
+        runtime.detach()
 
 
 class Block(torch.nn.Module):

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from um_alloc.planner import BlockPlanner, Decision, find_units
-from um_alloc.planner.replay import MOST_FORWARDS_A_STEP, Runtime
-from planner_helpers import Fixed, decisions_for
+from um_alloc.planner import BlockPlanner, Decision
+from um_alloc.planner.replay import MOST_FORWARDS_A_STEP
+from planner_helpers import fixed_decisions
 from test_planner_replay import tiny_bert
 
 transformers = pytest.importorskip("transformers")
@@ -43,49 +43,31 @@ def test_two_forwards_before_backward_are_one_step_and_train_as_plain_autograd(d
     model = tiny_bert(dropout=0.1)
     pair = pair_of_batches()
     plain = pair_step(copy.deepcopy(model), pair, backwards)
-    units = find_units(model)
-    director = Fixed(decisions_for(units, decision))
-    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
-    runtime.attach()
-    try:
+    with fixed_decisions(model, decision) as (_, director):
         for _ in range(2):
             assert same(pair_step(model, pair, backwards), plain)  # dropout masks replayed in both forwards
-    finally:
-        runtime.detach()
     assert director.ended == [True, True]  # a step per backward, each ended by it, none left open
 
 
 def test_a_forward_whose_graph_is_gone_is_a_step_of_its_own_closed_at_the_next():
     """Evaluation with gradients on: each forward's output is dropped, so no backward can come."""
     model = tiny_bert(dropout=0.0)
-    units = find_units(model)
-    director = Fixed(decisions_for(units, Decision.RECOMPUTE))
-    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
-    runtime.attach()
-    try:
+    with fixed_decisions(model, Decision.RECOMPUTE) as (_, director):
         ids = pair_of_batches()[0]
         for _ in range(3):
             model(input_ids=ids, labels=ids).loss.item()
         assert director.ended == [False, False]  # the third is open until the next forward
         pair_step(model, pair_of_batches())
-    finally:
-        runtime.detach()
     assert director.ended == [False, False, False, True]
 
 
 def test_outputs_held_without_a_backward_are_closed_after_the_most_forwards_a_step_gathers():
     model = tiny_bert(dropout=0.0)
-    units = find_units(model)
-    director = Fixed(decisions_for(units, Decision.MOVE))
-    runtime = Runtime(model, units, torch.device("cpu"), director, window=1 << 20, min_bytes=1)
-    runtime.attach()
-    try:
+    with fixed_decisions(model, Decision.MOVE) as (_, director):
         ids = pair_of_batches()[0]
         held = [model(input_ids=ids, labels=ids).loss for _ in range(MOST_FORWARDS_A_STEP + 1)]
         assert director.ended == [False]  # the first step took MOST_FORWARDS_A_STEP forwards
         torch.stack(held).sum().backward()  # every graph still trains, moved tensors fetched on demand
-    finally:
-        runtime.detach()
     assert director.ended == [False, True]
 
 
@@ -131,14 +113,8 @@ def test_under_autocast_a_pair_recomputed_as_one_node_trains_as_plain_autograd(o
     model = tiny_bert(dropout=0.1).float()
     pair = pair_of_batches()
     plain = autocast_pair_step(copy.deepcopy(model), pair, one_region)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
-                      window=1 << 20, min_bytes=1)
-    runtime.attach()
-    try:
+    with fixed_decisions(model, Decision.RECOMPUTE):
         steps = [autocast_pair_step(model, pair, one_region) for _ in range(3)]  # as one node from the second
-    finally:
-        runtime.detach()
     assert same(steps[0], plain)  # torch.utils.checkpoint: the forward's own graph, its casts' too
     for loss, grads in steps[1:]:
         if one_region:

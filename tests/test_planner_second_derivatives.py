@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner, Decision, find_units
-from um_alloc.planner.replay import Runtime
-from planner_helpers import Fixed, decisions_for
+from planner_helpers import fixed_decisions
 
 
 class Layer(torch.nn.Module):
@@ -72,16 +71,10 @@ TWICE_DIFFERENTIABLE = [d for d in Decision if d not in (Decision.SELECTIVE, Dec
 def test_a_gradient_penalty_trains_as_plain_autograd_under_each_decision(decision):
     model = critic()
     plain = critic_step(copy.deepcopy(model))
-    units = find_units(model)
-    assert [u.name for u in units if u.kind == "block"] == ["layers.0", "layers.1", "layers.2"]
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)), window=1 << 20,
-                      min_bytes=1)
-    runtime.attach()
-    try:
+    assert [u.name for u in find_units(model) if u.kind == "block"] == ["layers.0", "layers.1", "layers.2"]
+    with fixed_decisions(model, decision) as (runtime, _):
         for _ in range(3):  # the first through torch.utils.checkpoint, then as one node where it may
             assert same(critic_step(model), plain)
-    finally:
-        runtime.detach()
     assert runtime.second_derivatives
 
 
@@ -122,16 +115,10 @@ def test_a_penalty_first_taken_after_a_selective_plan_is_planned_away_from_the_n
 def test_a_penalty_first_taken_through_one_node_from_moved_inputs_says_to_run_the_step_again():
     model = critic()
     plain = copy.deepcopy(model)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE_MOVED)),
-                      window=1 << 20, min_bytes=1)
-    runtime.attach()
-    try:
+    with fixed_decisions(model, Decision.RECOMPUTE_MOVED):
         for _ in range(2):  # the second recomputes as one node
             assert same(critic_step(model, penalty=False), critic_step(plain, penalty=False))
         with pytest.raises(RuntimeError, match="run this step again"):
             critic_step(model)
         for _ in range(2):
             assert same(critic_step(model), critic_step(plain))
-    finally:
-        runtime.detach()
