@@ -34,8 +34,9 @@ more than once before its backward (a pair of inputs for one contrastive loss, a
 real and generated batches): a forward that begins while an earlier one's graph is still alive,
 with no backward between them, joins that step, so that the step's plan and its measurements cover
 everything backward will need (up to MOST_FORWARDS_A_STEP forwards). A step whose backward never
-came (its graph gone, as after an evaluation with gradients on) is closed at the next forward. What a step allocates in between comes from the pool's step
-arenas (arenas.py). The director (the planner) gives each step its decisions and whether to record it.
+came (its graph gone, as after an evaluation with gradients on) is closed at the next forward.
+What a step allocates in between comes from the pool's step arenas (arenas.py). The director (the
+planner) gives each step its decisions and whether to record it.
 """
 from __future__ import annotations
 
@@ -335,7 +336,7 @@ class Runtime:
             self.director.end(step, completed=False)
 
     def _backward_reached(self, step: Step, unit: int | None, grad, token=None) -> None:
-        if torch.is_grad_enabled() and not self.second_derivatives:  # autograd runs create_graph's backward so
+        if torch.is_grad_enabled() and not self.second_derivatives:  # as in a backward with create_graph=True
             self.second_derivatives = True
             log.info("planner: a backward with create_graph=True (a second derivative) reached the model: blocks "
                      "recomputed from moved inputs go through torch.utils.checkpoint from here on")
@@ -663,9 +664,9 @@ def _replica_error(module: nn.Module) -> RuntimeError:
     return RuntimeError(
         f"um_alloc planner: {type(module).__name__} was called as an nn.DataParallel replica of the planned "
         "model. The planner plans one model on one GPU, and a replica would run the planned model's own blocks "
-        "on its inputs. Run one process "
-        "per GPU instead (torchrun with DistributedDataParallel, which the planner supports), or make one GPU "
-        "visible (CUDA_VISIBLE_DEVICES=0) so that nn.DataParallel does not replicate.")
+        "on its inputs. Run one process per GPU instead (torchrun with DistributedDataParallel, which the "
+        "planner supports), or make one GPU visible (CUDA_VISIBLE_DEVICES=0) so that nn.DataParallel does not "
+        "replicate.")
 
 
 def _eager(function: Callable) -> Callable:
