@@ -53,6 +53,13 @@ def test_two_forwards_before_each_backward_are_measured_as_one_step_and_give_pla
     assert result["planned"] == result["plain"]
 
 
+def test_a_critic_with_a_gradient_penalty_trains_with_plain_trainings_losses(cuda_device):
+    result = _check("penalty")
+    assert result["second_derivatives"] and result["safe_steps"] == 2
+    # A block recomputed as one node sums its share of a gradient in another order.
+    assert result["planned"] == pytest.approx(result["plain"], rel=1e-5)
+
+
 def test_inputs_of_changing_length_borrow_plans_and_give_plain_trainings_losses(cuda_device):
     result = _check("lengths")
     assert result["planned"] == result["plain"]

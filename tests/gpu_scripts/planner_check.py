@@ -13,6 +13,7 @@
     python tests/gpu_scripts/planner_check.py large_batch  # large_batch.yaml: host optimizer state, spilled head
     python tests/gpu_scripts/planner_check.py failed  # what a step that ran out of memory leaves live, per decision
     python tests/gpu_scripts/planner_check.py pairs   # two forwards before each backward: one step, plain's losses
+    python tests/gpu_scripts/planner_check.py penalty # a critic with a gradient penalty (create_graph): plain's losses
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -164,6 +165,47 @@ def compiled() -> dict:
         losses["plain"].append(train_step(plain, plain_opt, batch))
         losses["planned"].append(train_step(call, optimizer, batch))
     return {**losses, "plan": planner.plan.counts(), "safe_steps": planner.safe_steps}
+
+
+class CriticLayer(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) + x
+
+
+def critic(width: int = 1024):
+    torch.manual_seed(0)
+    with um_alloc.tag("parameter"):
+        model = torch.nn.Sequential(*[CriticLayer(width) for _ in range(4)], torch.nn.Linear(width, 1)).cuda()
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def penalty() -> dict:
+    """WGAN-GP's critic, plain and planned, on the same batches: three forwards before each
+    backward, one differentiated with create_graph=True. The safe mode recomputes from inputs in
+    host memory (1 MiB each here), which one node cannot differentiate twice: from the first
+    penalty on they go through torch.utils.checkpoint."""
+    plain, plain_opt = critic()
+    planned, planned_opt = critic()
+    planner = um_alloc.plan(planned, budget="2GiB", block_classes=["CriticLayer"])
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        real, fake = (torch.randn(256, 1024, generator=data).cuda() for _ in range(2))
+        alpha = torch.rand(256, 1, generator=data).cuda()
+        for name, model, optimizer in (("plain", plain, plain_opt), ("planned", planned, planned_opt)):
+            between = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            grad, = torch.autograd.grad(model(between).sum(), between, create_graph=True)
+            loss = model(fake).mean() - model(real).mean() + 10 * ((grad.norm(dim=1) - 1) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    return {**losses, "safe_steps": planner.safe_steps, "plan": planner.plan.counts(),
+            "second_derivatives": planner._runtime.second_derivatives}
 
 
 def rebuild() -> dict:
@@ -456,7 +498,7 @@ def large_batch() -> dict:
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
-         "large_batch": large_batch, "failed": failed, "pairs": pairs}
+         "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
