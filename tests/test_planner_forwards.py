@@ -61,6 +61,17 @@ def test_a_forward_whose_graph_is_gone_is_a_step_of_its_own_closed_at_the_next()
     assert director.ended == [False, False, False, True]
 
 
+def test_in_evaluation_mode_each_forward_is_a_step_of_its_own_though_its_output_is_held():
+    """An evaluation loop with gradients on holds each output until the next forward has run."""
+    model = tiny_bert(dropout=0.0).eval()
+    with fixed_decisions(model, Decision.RECOMPUTE) as (_, director):
+        ids = pair_of_batches()[0]
+        out = None
+        for _ in range(3):
+            out = model(input_ids=ids, labels=ids)
+        assert director.ended == [False, False] and out.loss.requires_grad
+
+
 def test_outputs_held_without_a_backward_are_closed_after_the_most_forwards_a_step_gathers():
     model = tiny_bert(dropout=0.0)
     with fixed_decisions(model, Decision.MOVE) as (_, director):

@@ -32,8 +32,8 @@ A step begins at the root module's forward with gradients enabled and ends when 
 backward has finished (a callback queued from the first gradient hook). A loop may call the model
 more than once before its backward (a pair of inputs for one contrastive loss, a discriminator's
 real and generated batches): a forward that begins while an earlier one's graph is still alive,
-with no backward between them, joins that step, so that the step's plan and its measurements cover
-everything backward will need (up to MOST_FORWARDS_A_STEP forwards). A step whose backward never
+with no backward between them and the model in training mode, joins that step, so that the step's
+plan and its measurements cover everything backward will need (up to MOST_FORWARDS_A_STEP forwards). A step whose backward never
 came (its graph gone, as after an evaluation with gradients on) is closed at the next forward.
 What a step allocates in between comes from the pool's step arenas (arenas.py). The director (the
 planner) gives each step its decisions and whether to record it.
@@ -272,10 +272,12 @@ class Runtime:
         self._outside_units(True)
 
     def _joins_open_step(self) -> bool:
-        """Whether this forward belongs to the open step: its forward has ended, and a backward may
-        still come for it (the model called again before the loss's backward)."""
+        """Whether this forward belongs to the open step: its forward has ended, a backward may
+        still come for it (the model called again before the loss's backward), and the model is
+        training (a loop that evaluates with gradients on, holding each output while the next
+        forward runs, has called model.eval())."""
         step = self._open
-        return (step is not None and self._step is None and step.awaits_backward()
+        return (step is not None and self._step is None and self.model.training and step.awaits_backward()
                 and step.forwards < MOST_FORWARDS_A_STEP)
 
     def _next_forward(self) -> None:
