@@ -1,14 +1,15 @@
 """Where a model runs other than as planned: a deep copy (an EMA, a best-so-far copy) and a pickle
 run their own weights, unplanned; a shallow copy is planned as the model; nn.DataParallel's
 replicas are refused with what to do instead; a loop calling model.forward() is told why nothing
-is planned."""
+is planned; a user's hooks inside a recomputed block run again in its rerun."""
 import copy
 import io
 
 import pytest
 import torch
 
-from um_alloc.planner import BlockPlanner, planner_of
+from um_alloc.planner import BlockPlanner, Decision, planner_of
+from planner_helpers import fixed_decisions
 from test_planner_replay import gradients, tiny_bert
 
 transformers = pytest.importorskip("transformers")
@@ -153,3 +154,17 @@ def test_blocks_run_under_no_grad_before_training_say_nothing(caplog):
         assert not caplog.records
     finally:
         planner.remove()
+
+
+def test_a_recomputed_blocks_own_hooks_run_once_and_those_inside_it_again_in_the_rerun():
+    """As docs/planner.md says, through torch.utils.checkpoint (the first step) and as one node."""
+    model = tiny_bert(dropout=0.0)
+    calls = {"block": 0, "inside": 0}
+    layer = model.bert.encoder.layer[0]
+    layer.register_forward_hook(lambda *_: calls.__setitem__("block", calls["block"] + 1))
+    layer.attention.register_forward_hook(lambda *_: calls.__setitem__("inside", calls["inside"] + 1))
+    with fixed_decisions(model, Decision.RECOMPUTE):
+        for _ in range(2):
+            calls.update(block=0, inside=0)
+            gradients(model, IDS)
+            assert calls == {"block": 1, "inside": 2}
