@@ -46,7 +46,7 @@ def test_two_forwards_before_backward_are_one_step_and_train_as_plain_autograd(d
     with fixed_decisions(model, decision) as (_, director):
         for _ in range(2):
             assert same(pair_step(model, pair, backwards), plain)  # dropout masks replayed in both forwards
-    assert director.ended == [True, True]  # a step per backward, each ended by it, none left open
+    assert director.ended == [True, True]  # a step a pair, ended by its (first) backward, none left open
 
 
 def test_a_forward_whose_graph_is_gone_is_a_step_of_its_own_closed_at_the_next():
