@@ -1,7 +1,8 @@
 """Where a model runs other than as planned: a deep copy (an EMA, a best-so-far copy) and a pickle
 run their own weights, unplanned; a shallow copy is planned as the model; nn.DataParallel's
 replicas are refused with what to do instead; a loop calling model.forward() is told why nothing
-is planned; a user's hooks inside a recomputed block run again in its rerun."""
+is planned; a user's hooks inside a recomputed block run again in its rerun; a model called with
+tensors swapped in for its parameters (torch.func.functional_call) keeps what it would recompute."""
 import copy
 import io
 
@@ -168,3 +169,26 @@ def test_a_recomputed_blocks_own_hooks_run_once_and_those_inside_it_again_in_the
             calls.update(block=0, inside=0)
             gradients(model, IDS)
             assert calls == {"block": 1, "inside": 2}
+
+
+def functional_step(model):
+    """The model called through torch.func.functional_call with tensors of its own in place of
+    its parameters (as meta-learning and torch.func training do); the loss and their gradients."""
+    params = {name: (p * 1.5).detach().requires_grad_(True) for name, p in model.named_parameters()}
+    torch.manual_seed(1)
+    loss = torch.func.functional_call(model, params, (), {"input_ids": IDS, "labels": IDS}).loss
+    return loss.detach(), list(torch.autograd.grad(loss, list(params.values())))
+
+
+@pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
+def test_a_model_called_with_parameters_swapped_in_trains_as_plain_autograd(decision, caplog):
+    """A recomputation in backward would read the module's own parameters, swapped back by then:
+    such calls are kept, with a warning, and the gradients are the swapped-in tensors' own."""
+    model = tiny_bert(dropout=0.1)
+    plain = functional_step(copy.deepcopy(model))
+    with fixed_decisions(model, decision), caplog.at_level("WARNING", logger="um_alloc.planner"):
+        for _ in range(2):
+            loss, grads = functional_step(model)
+            assert torch.equal(loss, plain[0]) and all(torch.equal(a, b) for a, b in zip(grads, plain[1]))
+    warned = [r for r in caplog.records if "in place of its parameters" in r.getMessage()]
+    assert len(warned) == (1 if decision.recomputes else 0)

@@ -188,6 +188,7 @@ class Runtime:
         #                                              arguments, so that it keeps that device's RNG state
         self._norms = [[m for m in u.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
                        for u in units]
+        self._holders = [[m for m in u.module.modules() if m._parameters] for u in units]  # of parameters
         self._step: Step | None = None       # the training step whose forward is running
         self._open: Step | None = None       # the last step begun, until its backward ends
         self._where: int = self.rest          # the unit whose forward is running
@@ -208,6 +209,7 @@ class Runtime:
         # through torch.utils.checkpoint, whose graph reaches back through them (one node's cannot).
         self.second_derivatives = False
         self._unplanned_noted = False         # whether a block was seen training outside every step
+        self._reparametrized_noted = False    # whether a unit was seen running with parameters swapped in
 
     # -- attaching --
 
@@ -392,6 +394,8 @@ class Runtime:
             elif decision is Decision.MOVE:
                 with self._saved_tensors_moved():
                     out = forward(*args, **kwargs)
+            elif self._reparametrized(index):
+                out = forward(*args, **kwargs)  # kept: a rerun in backward would read the unit's own parameters
             else:
                 out = self._recomputed(step, index, decision, forward, args, kwargs)
         except torch.OutOfMemoryError:
@@ -406,6 +410,20 @@ class Runtime:
         if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
             self._on_backward(step, index, out)
         return out
+
+    def _reparametrized(self, index: int) -> bool:
+        """Whether the unit runs with tensors swapped in for its parameters (torch.func.functional_call,
+        torch.nn.utils.stateless): they are swapped back by the time backward would rerun it, so a
+        recomputation would read the wrong weights. Such a call is kept instead. Said once."""
+        swapped = any(p is not None and not isinstance(p, nn.Parameter)
+                      for m in self._holders[index] for p in m._parameters.values())
+        if swapped and not self._reparametrized_noted:
+            self._reparametrized_noted = True
+            log.warning("um_alloc planner: %s ran with tensors in place of its parameters (torch.func."
+                        "functional_call or the like); a recomputation would read its own parameters instead, "
+                        "so such calls keep what they save (more memory than the plan counted)",
+                        self.units[index].name)
+        return swapped
 
     def _note_unplanned(self, index: int) -> None:
         """A block trains before any forward of the model began a step: the loop calls the model's
