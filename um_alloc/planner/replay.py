@@ -186,8 +186,10 @@ class Runtime:
         self.arenas = StepArenas(device)      # what a step allocates, apart from what outlasts it
         self._anchor = torch.empty(0, device=device)  # a tensor on the device among checkpoint's
         #                                              arguments, so that it keeps that device's RNG state
-        self._norms = [[m for m in u.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-                       for u in units]
+        # Per unit: its buffers that a state_dict saves (_BuffersBefore), not the caches and masks
+        # a module keeps for itself.
+        self._buffers = [[(m, name) for m in u.module.modules() for name in m._buffers
+                          if name not in m._non_persistent_buffers_set] for u in units]
         self._holders = [[m for m in u.module.modules() if m._parameters] for u in units]  # of parameters
         self._step: Step | None = None       # the training step whose forward is running
         self._open: Step | None = None       # the last step begun, until its backward ends
@@ -462,13 +464,14 @@ class Runtime:
         held_args = [self._park(_as_called(a), parked) for a in args]
         held_kwargs = {k: self._park(_as_called(v), parked) for k, v in kwargs.items()}
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
+        buffers = _BuffersBefore(self._buffers[index])
         call = self._one_node_call(step, index, decision, forward, (args, kwargs), (held_args, held_kwargs), parked,
-                                   inputs)
+                                   inputs, buffers)
         if call is not None:
             out = call()
         else:
             out = self._checkpointed(step, index, decision, forward, (args, kwargs), (held_args, held_kwargs),
-                                     parked, inputs)
+                                     parked, inputs, buffers)
         inputs.check("by its own forward", "it cannot be recomputed; name other blocks with block_classes=[...]")
         if step.spec.recorder:
             step.spec.recorder.units[index].input_shapes.append(tuple(t.shape for t, _ in inputs.watched))
@@ -483,7 +486,7 @@ class Runtime:
         return out
 
     def _one_node_call(self, step: Step, index: int, decision: Decision, forward, called: tuple, held: tuple,
-                       parked: list, inputs: "_Unchanged") -> RerunCall | None:
+                       parked: list, inputs: "_Unchanged", buffers: "_BuffersBefore") -> RerunCall | None:
         """This call as one node (rerun.py), or None where it is not one: a plain recompute
         (selective needs checkpoint's modes, calibration's probes its hooks) of a unit whose
         forward was seen to reach only its arguments and parameters, with arguments whose every
@@ -492,13 +495,13 @@ class Runtime:
                 or not self._reruns[index] or (decision.moves_inputs and self.second_derivatives):
             return None
         unit = self.units[index]
-        rerunning = functools.partial(self._recomputing, step, index, parked, inputs)
+        rerunning = functools.partial(self._recomputing, step, index, parked, inputs, buffers)
         call = RerunCall(unit.name, unit.module, forward, held, _trained_parameters(unit.module), self.device,
                          _unpark, rerunning, self._clean[index], called, moved_inputs=decision.moves_inputs)
         return call if call.takes(len(inputs.watched)) else None
 
     def _checkpointed(self, step: Step, index: int, decision: Decision, forward, called: tuple, held: tuple,
-                      parked: list, inputs: "_Unchanged"):
+                      parked: list, inputs: "_Unchanged", buffers: "_BuffersBefore"):
         """The call under torch.utils.checkpoint: its forward on the arguments it was `called`
         with, its reruns on those `held` as called (_as_called). The first time, its forward also
         shows whether the unit may from then on be recomputed as one node."""
@@ -523,7 +526,7 @@ class Runtime:
         # The call's arguments live in `run` (checkpoint keeps it until the recomputation) rather
         # than among checkpoint's own, which it would walk twice a call; the anchor alone tells it
         # which device's RNG state to keep.
-        context_fn = functools.partial(self._contexts, step, index, decision, parked, inputs)
+        context_fn = functools.partial(self._contexts, step, index, decision, parked, inputs, buffers)
         early = set_checkpoint_early_stop(False) if step.spec.full_recompute else contextlib.nullcontext()
         with early:
             return checkpoint(run, self._anchor, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
@@ -554,9 +557,10 @@ class Runtime:
             return slot
         return value
 
-    def _contexts(self, step: Step, index: int, decision: Decision, parked: list, inputs: "_Unchanged"):
+    def _contexts(self, step: Step, index: int, decision: Decision, parked: list, inputs: "_Unchanged",
+                  buffers: "_BuffersBefore"):
         forward_ctx: list = []
-        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked, inputs),
+        recompute_ctx: list = [functools.partial(self._recomputing, step, index, parked, inputs, buffers),
                                functools.partial(_autocast_uncached, self.device.type)]
         if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
             saving, replaying = selective_contexts()
@@ -567,22 +571,17 @@ class Runtime:
         return (_Enter(*forward_ctx) if forward_ctx else contextlib.nullcontext()), _Enter(*recompute_ctx)
 
     @contextlib.contextmanager
-    def _recomputing(self, step: Step, index: int, parked: list, inputs: "_Unchanged"):
+    def _recomputing(self, step: Step, index: int, parked: list, inputs: "_Unchanged", buffers: "_BuffersBefore"):
         """Around a unit's recomputation: its inputs are as its forward found them, its moved
         inputs are back first (so the recorder's time is the recomputation's, not the wait for the
-        link), BatchNorm does not count the batch twice (its running statistics are put back), and
-        the recorder sees the time and the bytes rebuilt."""
+        link), the buffers its forward changed are as that forward found them and change once
+        (BatchNorm does not count the batch twice, spectral norm reruns the same power iteration),
+        and the recorder sees the time and the bytes rebuilt."""
         inputs.check("after its forward", "leave 'recompute' and 'selective' out of the planner's decisions "
                      "(their _moved forms recompute from copies taken at the end of the forward)")
         for slot in parked:
             slot.fetch()
-        # Running statistics as they were: the recomputation updates copies of them. Not the
-        # buffers themselves, put back after: a rerun as one node saves them for its backward,
-        # which has yet to run and checks that they were not changed in place.
-        kept = [(m, name, buffer) for m in self._norms[index] for name, buffer in m._buffers.items()
-                if buffer is not None]
-        for module, name, buffer in kept:
-            module._buffers[name] = buffer.clone()
+        kept = buffers.swap_in()
         recorder = step.spec.recorder
         probe = recorder.rebuild_probe(index, self.min_bytes).around([p.tensor for p in parked]) \
             if recorder and step.spec.count_ops and self.units[index].kind == "block" else contextlib.nullcontext()
@@ -593,10 +592,37 @@ class Runtime:
                 yield rerun
         finally:
             end = step.mark("recompute out", index)
-            for module, name, buffer in kept:
-                module._buffers[name] = buffer
+            buffers.put_back(kept)
             if recorder:
                 recorder.pair("recompute", index, start, end, not_saved=rerun.outputs_not_saved)
+
+
+class _BuffersBefore:
+    """A recomputed call's unit's buffers as its forward found them: copies of those a state_dict
+    saves, which a forward may change (BatchNorm's running statistics, spectral norm's
+    power-iteration vectors), often inside a kernel, where no version counter sees it. Its rerun
+    runs on copies of these, so that it computes what the forward computed (spectral norm's
+    weight), and the model's own buffers keep the forward's change alone (BatchNorm counts the
+    batch once). The buffers themselves are put back after, not copied into: a rerun as one node
+    saves what it read for its backward, which has yet to run and checks that nothing it saved
+    changed in place. Buffers a state_dict leaves out (the caches and masks a module keeps for
+    itself, such as a causal mask) are read as they are."""
+    __slots__ = ("_before",)
+
+    def __init__(self, slots: list):
+        self._before = [(m, name, m._buffers[name].clone()) for m, name in slots if m._buffers.get(name) is not None]
+
+    def swap_in(self) -> list:
+        """Copies of the values the forward found, in the buffers' places; returns what was there."""
+        kept = [(m, name, m._buffers[name]) for m, name, _ in self._before]
+        for m, name, value in self._before:
+            m._buffers[name] = value.clone()  # a rerun may change it again: each gets its own copy
+        return kept
+
+    @staticmethod
+    def put_back(kept: list) -> None:
+        for m, name, buffer in kept:
+            m._buffers[name] = buffer
 
 
 class _Unchanged:
