@@ -192,3 +192,18 @@ def test_a_model_called_with_parameters_swapped_in_trains_as_plain_autograd(deci
             assert torch.equal(loss, plain[0]) and all(torch.equal(a, b) for a, b in zip(grads, plain[1]))
     warned = [r for r in caplog.records if "in place of its parameters" in r.getMessage()]
     assert len(warned) == (1 if decision.recomputes else 0)
+
+
+def test_a_model_moved_after_it_was_planned_is_refused_with_what_to_do():
+    """Planned before model.cuda(): its steps would measure and plan on the device it left."""
+    model = tiny_bert(dropout=0.0)
+    planner = BlockPlanner(model, "1GiB")
+    try:
+        gradients(model, IDS)
+        model.to("meta")  # another device, on a machine without a GPU
+        with pytest.raises(RuntimeError, match="planned on cpu, and its blocks are now on meta.*after moving it"):
+            model(input_ids=IDS.to("meta"), labels=IDS.to("meta"))
+        with torch.no_grad():
+            model(input_ids=IDS.to("meta"))  # evaluation is not a training step: nothing refused
+    finally:
+        planner.remove()

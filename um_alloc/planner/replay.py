@@ -191,6 +191,9 @@ class Runtime:
         self._buffers = [[(m, name) for m in u.module.modules() for name in m._buffers
                           if name not in m._non_persistent_buffers_set] for u in units]
         self._holders = [[m for m in u.module.modules() if m._parameters] for u in units]  # of parameters
+        # Where a block's first parameter lives (read there: moving a model may replace the tensor).
+        self._device_witness = next(((m, name) for u in units if u.kind == "block" for m in u.module.modules()
+                                     for name, p in m._parameters.items() if p is not None), None)
         self._step: Step | None = None       # the training step whose forward is running
         self._open: Step | None = None       # the last step begun, until its backward ends
         self._where: int = self.rest          # the unit whose forward is running
@@ -251,6 +254,7 @@ class Runtime:
         if not torch.is_grad_enabled():
             self._step = None  # evaluation: the units run as they are; an open step stays open
             return
+        self._check_device()
         if not self._compile_noted:
             self._compile_noted = True
             if _called_through_torch_compile():
@@ -274,6 +278,19 @@ class Runtime:
         self._where = self.rest
         self._step.mark("forward start")
         self._outside_units(True)
+
+    def _check_device(self) -> None:
+        """A training step of a model on another device than the one it was planned on (planned
+        before `.cuda()`) would measure nothing there and plan nothing: refused before it runs."""
+        if self._device_witness is None:
+            return
+        module, name = self._device_witness
+        first = module._parameters.get(name)
+        if first is not None and first.device != self.device:
+            raise RuntimeError(
+                f"um_alloc planner: the model was planned on {self.device}, and its blocks are now on {first.device}. "
+                "Plan it after moving it to the GPU it trains on (model.cuda(), then um_alloc.plan(model)); "
+                "planner.remove() detaches this plan.")
 
     def _joins_open_step(self) -> bool:
         """Whether this forward belongs to the open step: its forward has ended, a backward may
