@@ -238,6 +238,47 @@ def test_the_launchers_steps_are_the_explicit_planners_once_the_model_is_found(t
     assert all(s["optimizer_hooks"] + s["step_hooks"] == 2 for s in seen)
 
 
+TWO_FORWARDS = """
+    import json, torch, transformers
+    from um_alloc.planner import planner_of
+
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    losses, planned = [], []
+    for step in range(4):
+        ids = torch.randint(0, 97, (4, 16))
+        first, second = model(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)  # two dropout masks
+        agree = torch.nn.functional.kl_div(first.logits.log_softmax(-1), second.logits.log_softmax(-1),
+                                           log_target=True, reduction="batchmean")
+        loss = (first.loss + second.loss) / 2 + agree  # R-Drop's loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        attached = planner_of(model)
+        planned.append(attached is not None and attached.plan is not None)
+    print(json.dumps({"losses": losses, "planned": planned}))
+    """
+
+
+def test_a_loop_with_two_forwards_a_step_runs_unchanged_under_the_launcher(tmp_path, fake_install, clean_process,
+                                                                           capsys):
+    """R-Drop: the model called twice on one batch, one backward over both. Under the launcher the
+    two forwards are one step (two steps measure, then the plan), with the script's own losses."""
+    script = write(tmp_path, "rdrop.py", TWO_FORWARDS)
+    import runpy
+    sys.argv = [str(script)]
+    runpy.run_path(str(script), run_name="__main__")
+    plain = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert launch(Target(str(script), None, ()), budget="1GiB") == 0
+    launched = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert launched["losses"] == plain["losses"]
+    assert launched["planned"] == [False, False, True, True]
+
+
 def test_a_wrong_first_guess_is_corrected_at_the_first_optimizer_step(tmp_path, fake_install, clean_process, capsys):
     script = write(tmp_path, "two.py", """
         import torch
