@@ -260,7 +260,8 @@ TWO_FORWARDS = """
         losses.append(loss.item())
         attached = planner_of(model)
         planned.append(attached is not None and attached.plan is not None)
-    print(json.dumps({"losses": losses, "planned": planned}))
+    measured = getattr(planner_of(model), "safe_steps", None)  # None when run plainly
+    print(json.dumps({"losses": losses, "planned": planned, "safe_steps": measured}))
     """
 
 
@@ -277,6 +278,7 @@ def test_a_loop_with_two_forwards_a_step_runs_unchanged_under_the_launcher(tmp_p
     launched = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert launched["losses"] == plain["losses"]
     assert launched["planned"] == [False, False, True, True]
+    assert launched["safe_steps"] == 2  # steps, not forwards
 
 
 def test_a_wrong_first_guess_is_corrected_at_the_first_optimizer_step(tmp_path, fake_install, clean_process, capsys):
