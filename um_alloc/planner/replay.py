@@ -33,8 +33,9 @@ backward has finished (a callback queued from the first gradient hook). A loop m
 more than once before its backward (a pair of inputs for one contrastive loss, a discriminator's
 real and generated batches): a forward that begins while an earlier one's graph is still alive,
 with no backward between them and the model in training mode, joins that step, so that the step's
-plan and its measurements cover everything backward will need (up to MOST_FORWARDS_A_STEP forwards). A step whose backward never
-came (its graph gone, as after an evaluation with gradients on) is closed at the next forward.
+plan and its measurements cover everything backward will need (up to MOST_FORWARDS_A_STEP
+forwards). A step whose backward never came (its graph gone, as after an evaluation with
+gradients on) is closed at the next forward.
 What a step allocates in between comes from the pool's step arenas (arenas.py). The director (the
 planner) gives each step its decisions and whether to record it.
 """
