@@ -78,7 +78,8 @@ class Residual(torch.nn.Module):
 
 
 class BlocksAsAttributes(torch.nn.Module):
-    """Blocks held one by one as attributes, in no ModuleList or Sequential: the search finds none."""
+    """Blocks held one by one as attributes, in no ModuleList or Sequential: found where no
+    container holds repeated modules."""
 
     def __init__(self):
         super().__init__()
@@ -87,3 +88,25 @@ class BlocksAsAttributes(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.third(self.second(self.first(x))))
+
+
+class Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.value, self.gate = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.value(x) * torch.sigmoid(self.gate(x))
+
+
+class OneOfEach(torch.nn.Module):
+    """Two parts of different classes and a head: no module holds two of one class, so the search
+    finds no blocks, and only block_classes names them."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode = Residual(), Gated()
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.decode(self.encode(x)))

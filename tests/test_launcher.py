@@ -396,11 +396,13 @@ def test_the_um_alloc_command_is_the_same_entry_point(tmp_path, fake_install, cl
     assert exit_.value.code == 5
 
 
-BLOCKS_AS_ATTRIBUTES = """
+def training_script(model_class: str) -> str:
+    """Four SGD steps of a model from tests/planner_helpers.py."""
+    return f"""
     import torch
-    from planner_helpers import BlocksAsAttributes  # tests/: blocks in no ModuleList or Sequential
+    from planner_helpers import {model_class}
 
-    model = BlocksAsAttributes()
+    model = {model_class}()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(4):
         model(torch.randn(8, 16)).sum().backward()
@@ -409,18 +411,26 @@ BLOCKS_AS_ATTRIBUTES = """
     """
 
 
-def test_blocks_the_search_cannot_find_are_named_in_the_policy(tmp_path, fake_install, clean_process):
-    script = write(tmp_path, "train.py", BLOCKS_AS_ATTRIBUTES)
-    policy = tmp_path / "named_blocks.yaml"
-    policy.write_text("scheduler: {strategy: auto, block_classes: [Residual]}\n")
+def test_blocks_held_as_attributes_are_planned_with_no_key_in_the_policy(tmp_path, fake_install, clean_process):
+    script = write(tmp_path, "train.py", training_script("BlocksAsAttributes"))
     out_json = tmp_path / "run.json"
-    assert cli.main(["run", "--policy", str(policy), "--budget", "1GiB", "--json", str(out_json), str(script)]) == 0
+    assert cli.main(["run", "--budget", "1GiB", "--json", str(out_json), str(script)]) == 0
     report = json.loads(out_json.read_text())
     assert report["model"] == "BlocksAsAttributes" and report["planner"]["blocks"] == 3
 
 
+def test_blocks_the_search_cannot_find_are_named_in_the_policy(tmp_path, fake_install, clean_process):
+    script = write(tmp_path, "train.py", training_script("OneOfEach"))
+    policy = tmp_path / "named_blocks.yaml"
+    policy.write_text("scheduler: {strategy: auto, block_classes: [Residual, Gated]}\n")
+    out_json = tmp_path / "run.json"
+    assert cli.main(["run", "--policy", str(policy), "--budget", "1GiB", "--json", str(out_json), str(script)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["model"] == "OneOfEach" and report["planner"]["blocks"] == 2
+
+
 def test_without_them_the_script_runs_under_the_budget_and_the_warning_names_the_key(tmp_path, fake_install,
                                                                                      clean_process, caplog):
-    script = write(tmp_path, "train.py", BLOCKS_AS_ATTRIBUTES)
+    script = write(tmp_path, "train.py", training_script("OneOfEach"))
     assert cli.main(["run", "--budget", "1GiB", str(script)]) == 0
-    assert "no planner for BlocksAsAttributes" in caplog.text and "scheduler.block_classes: [...] in the policy" in caplog.text
+    assert "no planner for OneOfEach" in caplog.text and "scheduler.block_classes: [...] in the policy" in caplog.text

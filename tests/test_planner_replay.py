@@ -7,7 +7,7 @@ import torch
 
 from um_alloc.planner import BlockPlanner, Decision, PlanInfeasible, find_units
 from um_alloc.planner.replay import Runtime
-from planner_helpers import Block, BlocksAsAttributes, Fixed, ScaledAfter, decisions_for
+from planner_helpers import Block, Fixed, OneOfEach, ScaledAfter, decisions_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -889,18 +889,18 @@ def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(m
     from um_alloc.planner import director
     from um_alloc.policy import policy_from_dict
 
-    with pytest.raises(ValueError, match=r"no repeated blocks found in BlocksAsAttributes.*scheduler.block_classes"):
-        BlockPlanner(BlocksAsAttributes(), "1GiB")
-    with pytest.raises(ValueError, match=r"no module of class Block in BlocksAsAttributes; its classes are: "
-                                         r"Linear, Residual"):
-        BlockPlanner(BlocksAsAttributes(), "1GiB", block_classes=["Block"])
-    policy = policy_from_dict({"scheduler": {"strategy": "auto", "block_classes": ["Residual"]}},
+    with pytest.raises(ValueError, match=r"no repeated blocks found in OneOfEach.*scheduler.block_classes"):
+        BlockPlanner(OneOfEach(), "1GiB")
+    with pytest.raises(ValueError, match=r"no module of class Block in OneOfEach; its classes are: "
+                                         r"Gated, Linear, Residual"):
+        BlockPlanner(OneOfEach(), "1GiB", block_classes=["Block"])
+    policy = policy_from_dict({"scheduler": {"strategy": "auto", "block_classes": ["Residual", "Gated"]}},
                               source="p.yaml", name="p")
     monkeypatch.setattr(director, "is_installed", lambda: True)
     monkeypatch.setattr(director, "installation", lambda: SimpleNamespace(policy=policy, budget=1 << 30))
-    planner = BlockPlanner(BlocksAsAttributes())
+    planner = BlockPlanner(OneOfEach())
     try:
-        assert [u.name for u in planner.units if u.kind == "block"] == ["first", "second", "third"]
+        assert [u.name for u in planner.units if u.kind == "block"] == ["encode", "decode"]
     finally:
         planner.remove()
 

@@ -7,7 +7,12 @@ are, so the MLP ``Sequential`` inside a ViT layer does not turn its Linear layer
 Where fewer than MIN_BLOCKS repeated modules hold repeated modules themselves (four stages of
 blocks, as in Swin or Hugging Face's ResNet), the search goes one level in: finer units give the
 plan more to choose from, and a stage is too coarse to recompute or keep as one.
-``block_classes`` overrides the search with class names.
+
+Where no container holds repeated modules, the same search runs over the children of every
+module: blocks held one by one as attributes (a U-Net's ``down1``, ``down2``, ..., GoogLeNet's
+``inception3a`` to ``inception5b``). Only then: inside a model that has its blocks in a
+container, two sublayers of one class held as attributes (a layer's two norms) are not what a
+plan should recompute. ``block_classes`` overrides the search with class names.
 
 A *gap* is what lies between blocks: the children along the way from the root to the blocks that
 neither are blocks nor contain one (embeddings, a ResNet's stem, the head). A ModuleList or
@@ -48,19 +53,25 @@ def block_modules(model: nn.Module, block_classes: Iterable[str] | None = None) 
     """
     if block_classes is not None:
         return _named_blocks(model, set(block_classes))
+    return _repeated_blocks(model, _CONTAINERS) or _repeated_blocks(model, nn.Module)
+
+
+def _repeated_blocks(model: nn.Module, holders: type | tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+    """The repeated children of the modules of type `holders`, outermost first, one level further
+    in while fewer than MIN_BLOCKS hold repeated modules themselves."""
     found: list[tuple[str, nn.Module]] = []
-    _search(model, "", found)
-    while len(found) < MIN_BLOCKS and any(_holds_repeated(m) for _, m in found):
-        found = [inner for path, m in found for inner in _inside(path, m)]
+    _search(model, "", found, holders)
+    while len(found) < MIN_BLOCKS and any(_holds_repeated(m, holders) for _, m in found):
+        found = [inner for path, m in found for inner in _inside(path, m, holders)]
     return found
 
 
-def _inside(path: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+def _inside(path: str, block: nn.Module, holders) -> list[tuple[str, nn.Module]]:
     """The blocks one level in, or the block itself where it holds no repeated modules."""
-    if not _holds_repeated(block):
+    if not _holds_repeated(block, holders):
         return [(path, block)]
     inner: list[tuple[str, nn.Module]] = []
-    _search(block, path, inner)
+    _search(block, path, inner, holders)
     return inner
 
 
@@ -77,18 +88,20 @@ def find_units(model: nn.Module, block_classes: Iterable[str] | None = None) -> 
     return units
 
 
-def _search(module: nn.Module, prefix: str, found: list) -> None:
-    repeated = _repeated_children(module) if isinstance(module, _CONTAINERS) else set()
+def _search(module: nn.Module, prefix: str, found: list, holders) -> None:
+    repeated = _repeated_children(module) if isinstance(module, holders) else set()
     for name, child in module.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if id(child) in repeated:
             found.append((path, child))
         else:
-            _search(child, path, found)
+            _search(child, path, found, holders)
 
 
-def _holds_repeated(module: nn.Module) -> bool:
-    return any(isinstance(m, _CONTAINERS) and _repeated_children(m) for m in module.modules() if m is not module)
+def _holds_repeated(module: nn.Module, holders) -> bool:
+    """Whether `module` or one inside it, of type `holders`, has repeated children (a block is
+    never a container, so in the containers' search only those inside count)."""
+    return any(isinstance(m, holders) and _repeated_children(m) for m in module.modules())
 
 
 def _repeated_children(container: nn.Module) -> set[int]:

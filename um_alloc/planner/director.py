@@ -24,8 +24,8 @@ leaves out. The first input's calibration, too, ends after one step when the nex
 another input.
 
 Troubleshooting:
-- "no repeated blocks found": the model has no ModuleList/Sequential of two or more modules of one
-  class; name the block classes: ``plan(model, block_classes=["MyLayer"])``.
+- "no repeated blocks found": no module of the model holds two or more modules of one class (in a
+  container or as attributes); name the block classes: ``plan(model, block_classes=["MyLayer"])``.
 - PlanInfeasible: the budget is below what the safe mode needs, by more than the overflow below
   (or, without um_alloc's pool, at all); the message gives the smallest budget that fits, and a
   round one to ask for. Lower the batch, or keep optimizer state in host
@@ -182,8 +182,8 @@ class BlockPlanner:
         block_classes = _block_classes(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
         if not any(u.kind == "block" for u in self.units):
-            raise ValueError(f"BlockPlanner: no repeated blocks found in {type(model).__name__} (no ModuleList or "
-                             "Sequential holds two or more modules of one class); name their class: "
+            raise ValueError(f"BlockPlanner: no repeated blocks found in {type(model).__name__} (no module of it "
+                             "holds two or more modules of one class); name their class: "
                              "block_classes=[...], or scheduler.block_classes: [...] in the policy (python -m "
                              "um_alloc run and the callbacks, no code changed)")
         self.device = _device_of(model)
