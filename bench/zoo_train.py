@@ -17,7 +17,9 @@ models that are not Hugging Face's, whose loss the loop computes: encoder (a lan
 PyTorch's own nn.TransformerEncoder, 24 pre-norm layers of width 1024, its cross-entropy taken over
 fp32 logits, ~370M), convnext and swin (torchvision's ConvNeXt-T, with stochastic depth, and
 Swin-T, at 224x224), densenet, efficientnet, mobilenet and regnet (torchvision's DenseNet-121,
-EfficientNetV2-S, MobileNetV3-Large and RegNetY-1.6GF, at 224x224). --tiny builds two-layer
+EfficientNetV2-S, MobileNetV3-Large and RegNetY-1.6GF, at 224x224), googlenet and inception
+(torchvision's GoogLeNet and Inception v3 without their auxiliary heads, at 224x224; Inception v3
+holds its blocks as attributes, in no ModuleList or Sequential). --tiny builds two-layer
 versions of the Hugging Face and PyTorch models for tests (on the CPU with --cpu); torchvision's
 have no tiny version.
 
@@ -207,7 +209,7 @@ def _loop_next_token_loss(model, inputs: dict) -> torch.Tensor:
 DECODERS = ("llama", "gpt2", "opt", "neox", "qwen2", "bloom")  # their batches: input_ids, labels the same
 
 
-def _torchvision(name: str):
+def _torchvision(name: str, **options):
     def build(tiny: bool):
         if tiny:
             raise SystemExit(f"zoo_train.py: {name} has no --tiny version")
@@ -215,7 +217,7 @@ def _torchvision(name: str):
             import torchvision
         except ImportError:
             raise SystemExit(f"zoo_train.py: {name} is torchvision's; install torchvision") from None
-        return getattr(torchvision.models, name)()
+        return getattr(torchvision.models, name)(**options)
     return build
 
 
@@ -305,6 +307,11 @@ MODELS = {
                           loss=_image_loss, layers=_blocks_named("InvertedResidual")),
     "regnet": ZooModel(_torchvision("regnet_y_1_6gf"), 192, _image_batch, "a 224x224 image", loss=_image_loss,
                        layers=_blocks_named("ResBottleneckBlock")),
+    "googlenet": ZooModel(_torchvision("googlenet", aux_logits=False, init_weights=True), 256, _image_batch,
+                          "a 224x224 image", loss=_image_loss, layers=_blocks_named("Inception")),
+    "inception": ZooModel(_torchvision("inception_v3", aux_logits=False, init_weights=True), 192, _image_batch,
+                          "a 224x224 image", loss=_image_loss,
+                          layers=_blocks_named(*(f"Inception{kind}" for kind in "ABCDE"))),
 }
 
 
