@@ -101,7 +101,7 @@ class Gated(torch.nn.Module):
 
 class OneOfEach(torch.nn.Module):
     """Two parts of different classes and a head: no module holds two of one class, so the search
-    finds no blocks, and only block_classes names them."""
+    finds no blocks (its parts are gaps), and only block_classes names them."""
 
     def __init__(self):
         super().__init__()
@@ -110,3 +110,14 @@ class OneOfEach(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.decode(self.encode(x)))
+
+
+class NoSubmodules(torch.nn.Module):
+    """A model whose forward does all its work itself: nothing to plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 2))
+
+    def forward(self, x):
+        return x @ self.weight

@@ -429,8 +429,18 @@ def test_blocks_the_search_cannot_find_are_named_in_the_policy(tmp_path, fake_in
     assert report["model"] == "OneOfEach" and report["planner"]["blocks"] == 2
 
 
-def test_without_them_the_script_runs_under_the_budget_and_the_warning_names_the_key(tmp_path, fake_install,
-                                                                                     clean_process, caplog):
+def test_without_them_the_parts_are_planned_as_gaps_and_the_warning_names_the_key(tmp_path, fake_install,
+                                                                                   clean_process, caplog):
     script = write(tmp_path, "train.py", training_script("OneOfEach"))
+    out_json = tmp_path / "run.json"
+    assert cli.main(["run", "--budget", "1GiB", "--json", str(out_json), str(script)]) == 0
+    assert json.loads(out_json.read_text())["planner"]["blocks"] == 0
+    assert "no repeated blocks found in OneOfEach" in caplog.text
+    assert "scheduler.block_classes: [...] in the policy" in caplog.text
+
+
+def test_a_model_with_nothing_to_plan_runs_under_the_budget_with_a_warning(tmp_path, fake_install, clean_process,
+                                                                           caplog):
+    script = write(tmp_path, "train.py", training_script("NoSubmodules"))
     assert cli.main(["run", "--budget", "1GiB", str(script)]) == 0
-    assert "no planner for OneOfEach" in caplog.text and "scheduler.block_classes: [...] in the policy" in caplog.text
+    assert "no planner for NoSubmodules" in caplog.text and "no submodules to plan" in caplog.text

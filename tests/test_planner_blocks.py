@@ -1,6 +1,7 @@
 """Blocks the search finds where no ModuleList or Sequential holds repeated modules: the repeated
 children of any module (a U-Net's down and up blocks, held as attributes), found only where the
-containers hold none, and trained as plain autograd trains them."""
+containers hold none; and a model with no blocks at all, whose layers are gaps. Both trained as
+plain autograd trains them."""
 import copy
 
 import pytest
@@ -108,25 +109,43 @@ def test_a_container_of_repeated_blocks_comes_before_sublayers_held_as_attribute
     assert blocks_and_gaps(LayersInAList()) == (["layers.0", "layers.1"], [])
 
 
-def test_a_model_without_two_parts_of_one_class_has_no_blocks():
-    assert find_units(OneOfEach()) == []
-    assert find_units(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))) == []
+class Plain(nn.Module):
+    """A VGG's shape: layers in Sequentials, no two composite modules of one class."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                                      nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(16 * 8 * 8, 32), nn.ReLU(), nn.Dropout(0.5),
+                                        nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
 
 
-def _trained(model, decision: Decision | None):
-    """The loss, the gradients and the BatchNorm buffers after one step on a fixed batch."""
+def test_a_model_without_two_parts_of_one_class_is_planned_as_gaps():
+    assert blocks_and_gaps(OneOfEach()) == ([], ["encode", "decode", "head"])
+    assert blocks_and_gaps(Plain()) == ([], [f"features.{i}" for i in range(6)] + [f"classifier.{i}" for i in range(5)])
+    assert blocks_and_gaps(nn.Linear(4, 4)) == ([], [])
+
+
+def _trained(model, decision: Decision | None, seed: int | None = None):
+    """The loss, the gradients, the BatchNorm buffers and the bytes moved to host memory after one
+    step on a fixed batch (with `seed`, torch's generator seeded first: dropout's mask)."""
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 
     def step():
+        if seed is not None:
+            torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         loss = model(x).square().mean()
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
 
     if decision is None:
-        return step()
-    with fixed_decisions(model, decision):
-        return step()
+        return (*step(), 0)
+    with fixed_decisions(model, decision) as (runtime, _):
+        return (*step(), runtime.transfers.stats.out_bytes)
 
 
 @pytest.mark.parametrize("decision", list(Decision), ids=lambda d: d.value)
@@ -137,6 +156,20 @@ def test_a_unet_of_blocks_held_as_attributes_trains_as_plain_autograd_in_float64
     model = UNet().double().train()
     plain = _trained(copy.deepcopy(model), None)
     planned = _trained(model, decision)
+    assert torch.equal(planned[0], plain[0])
+    assert all(torch.equal(a, b) for a, b in zip(planned[1], plain[1]))
+    assert all(torch.equal(a, b) for a, b in zip(planned[2], plain[2]))
+
+
+@pytest.mark.parametrize("decision", [Decision.KEEP, Decision.MOVE], ids=lambda d: d.value)
+def test_layers_planned_as_gaps_train_as_plain_autograd_in_float64(decision):
+    """Every layer kept, or every layer's saved tensors moved (a ReLU in place on a convolution's
+    output, dropout's mask, BatchNorm's statistics among them)."""
+    torch.manual_seed(0)
+    model = Plain().double().train()
+    plain = _trained(copy.deepcopy(model), None, seed=4)
+    planned = _trained(model, decision, seed=4)
+    assert (planned[3] > 0) == (decision is Decision.MOVE)
     assert torch.equal(planned[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(planned[1], plain[1]))
     assert all(torch.equal(a, b) for a, b in zip(planned[2], plain[2]))

@@ -7,7 +7,7 @@ import torch
 
 from um_alloc.planner import BlockPlanner, Decision, PlanInfeasible, find_units
 from um_alloc.planner.replay import Runtime
-from planner_helpers import Block, Fixed, OneOfEach, ScaledAfter, decisions_for
+from planner_helpers import Block, Fixed, NoSubmodules, OneOfEach, ScaledAfter, decisions_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -319,7 +319,7 @@ def test_bad_arguments_are_refused_before_any_work():
         BlockPlanner(model)
     with pytest.raises(ValueError, match=r"decisions: not a non-empty list of decisions \(got \['keep', 'teleport'\]"):
         BlockPlanner(model, "1GiB", decisions=["keep", "teleport"])
-    with pytest.raises(ValueError, match="no repeated blocks"):
+    with pytest.raises(ValueError, match="Linear has no submodules to plan"):
         BlockPlanner(torch.nn.Linear(2, 2), "1GiB")
     with pytest.raises(ValueError, match="budget"):
         BlockPlanner(model, "-1GiB")
@@ -882,15 +882,22 @@ def test_pytorchs_own_transformer_trains_as_plain_training_does(decision):
     assert_planned_training_is_plain(model, train, decision, blocks=4)
 
 
-def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(monkeypatch):
+def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(monkeypatch, caplog):
     """Under the launcher or a callback there is no call to pass block_classes to: the installed
-    policy's scheduler.block_classes names them. The error where none is found says both ways."""
+    policy's scheduler.block_classes names them. Where none is found the model's parts are gaps,
+    and the warning says both ways; a model with no submodules is refused."""
     from types import SimpleNamespace
     from um_alloc.planner import director
     from um_alloc.policy import policy_from_dict
 
-    with pytest.raises(ValueError, match=r"no repeated blocks found in OneOfEach.*scheduler.block_classes"):
-        BlockPlanner(OneOfEach(), "1GiB")
+    gaps_only = BlockPlanner(OneOfEach(), "1GiB")
+    try:
+        assert [(u.name, u.kind) for u in gaps_only.units] == [("encode", "gap"), ("decode", "gap"), ("head", "gap")]
+        assert "no repeated blocks found in OneOfEach" in caplog.text and "scheduler.block_classes" in caplog.text
+    finally:
+        gaps_only.remove()
+    with pytest.raises(ValueError, match=r"NoSubmodules has no submodules to plan"):
+        BlockPlanner(NoSubmodules(), "1GiB")
     with pytest.raises(ValueError, match=r"no module of class Block in OneOfEach; its classes are: "
                                          r"Gated, Linear, Residual"):
         BlockPlanner(OneOfEach(), "1GiB", block_classes=["Block"])

@@ -61,7 +61,7 @@ class AutoAttach:
         attached = planner_of(self.model)  # the script's own um_alloc.plan(), kept as it is
         try:
             self.planner = attach_planner(self.model, **self._planner_options)
-        except ValueError as error:  # no blocks in it, say: the script runs on, under the budget alone
+        except ValueError as error:  # no submodules in it, say: the script runs on, under the budget alone
             log.warning("um_alloc run: no planner for %s: %s", type(self.model).__name__, error)
             self.planner = None
         self._own_planner = self.planner is not None and attached is None

@@ -19,6 +19,11 @@ neither are blocks nor contain one (embeddings, a ResNet's stem, the head). A Mo
 ModuleDict is never called itself (its owner calls its children: ConvNeXt's downsampling layers),
 so its children are the gaps. Their activations can be moved to host memory, not recomputed: they
 are not in a container the plan could rerun.
+
+A model with no blocks at all (a VGG's layers in a ``Sequential``, two parts of different classes)
+has gaps only: the modules reached from the root through its containers, ``Sequential`` included,
+so that a plan can keep one layer's saved tensors and move another's. Nothing is recomputed
+unless ``block_classes`` names what may be.
 """
 from __future__ import annotations
 
@@ -77,12 +82,14 @@ def _inside(path: str, block: nn.Module, holders) -> list[tuple[str, nn.Module]]
 
 def find_units(model: nn.Module, block_classes: Iterable[str] | None = None) -> list[Unit]:
     """The blocks and the gaps between them, in registration order (the order of execution is
-    recorded later, in calibration). A model without blocks yields no units."""
+    recorded later, in calibration); without blocks, the gaps alone. A model without submodules
+    yields no units."""
     blocks = block_modules(model, block_classes)
-    if not blocks:
-        return []
     block_ids = {id(m) for _, m in blocks}
-    holders = _ancestors_of(model, block_ids)
+    if blocks:
+        holders = _ancestors_of(model, block_ids)
+    else:  # gaps only: down through every container, to the layers
+        holders = {id(m) for m in model.modules() if isinstance(m, _CONTAINERS)}
     units: list[Unit] = []
     _collect(model, "", block_ids, holders, units)
     return units

@@ -24,8 +24,9 @@ leaves out. The first input's calibration, too, ends after one step when the nex
 another input.
 
 Troubleshooting:
-- "no repeated blocks found": no module of the model holds two or more modules of one class (in a
-  container or as attributes); name the block classes: ``plan(model, block_classes=["MyLayer"])``.
+- "no repeated blocks found" (a warning): no module of the model holds two or more modules of one
+  class (in a container or as attributes), so its layers are gaps, which a plan keeps or moves and
+  never recomputes; name the block classes to recompute: ``plan(model, block_classes=["MyLayer"])``.
 - PlanInfeasible: the budget is below what the safe mode needs, by more than the overflow below
   (or, without um_alloc's pool, at all); the message gives the smallest budget that fits, and a
   round one to ask for. Lower the batch, or keep optimizer state in host
@@ -181,11 +182,15 @@ class BlockPlanner:
         self.allowed = _decisions(decisions)
         block_classes = _block_classes(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
+        if not self.units:
+            raise ValueError(f"BlockPlanner: {type(model).__name__} has no submodules to plan (its forward does "
+                             "all its work itself); the planner decides for a model's blocks and layers")
         if not any(u.kind == "block" for u in self.units):
-            raise ValueError(f"BlockPlanner: no repeated blocks found in {type(model).__name__} (no module of it "
-                             "holds two or more modules of one class); name their class: "
-                             "block_classes=[...], or scheduler.block_classes: [...] in the policy (python -m "
-                             "um_alloc run and the callbacks, no code changed)")
+            log.warning("planner: no repeated blocks found in %s (no module of it holds two or more modules of one "
+                        "class): its %d layers' saved tensors may move to host memory, and none is recomputed. To "
+                        "recompute, name the block classes: block_classes=[...], or scheduler.block_classes: [...] "
+                        "in the policy (python -m um_alloc run and the callbacks, no code changed)",
+                        type(model).__name__, len(self.units))
         self.device = _device_of(model)
         self._probe = MemoryProbe(self.device)
         self._reserved = STAGE_BYTES if self.device.type == "cuda" and is_installed() else 0
