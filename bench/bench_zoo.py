@@ -13,7 +13,11 @@ For each model (bench/zoo_train.py: a plain loop with no um_alloc line, each run
                  of allocated bytes times each of --fractions is a budget (rounded to 256 MiB)
   checkpointing  PyTorch's allocator capped at the budget, every layer checkpointed
   frontier       the same, the first k layers checkpointed, k the smallest that fits (searched
-                 from a guess: memory falls about linearly with k), the strongest peer
+                 from a guess: memory falls about linearly with k), the strongest peer where
+                 it fits
+  save_on_cpu    PyTorch's allocator capped at the budget, every saved activation in pinned host
+                 memory (torch.autograd.graph.save_on_cpu); a model without blocks (vgg) has only
+                 this peer
   planner        python -m um_alloc run --budget B bench/zoo_train.py: the script unchanged
 
 With --ablations, what the planner's step is made of, each also under the launcher:
@@ -100,6 +104,14 @@ def peer_run(model: str, args, budget: int, layers: str) -> tuple[dict | None, s
                      args.timeout)
 
 
+def save_on_cpu_run(model: str, args, budget: int) -> tuple[dict | None, str, str]:
+    return run_train(zoo_run("save_on_cpu", model, args, "--save-on-cpu", "--memory-limit", f"{budget}B"),
+                     args.timeout)
+
+
+NO_BLOCKS = (None, "no blocks", "the model has no blocks to checkpoint")
+
+
 def launched_run(name: str, model: str, args, *extra: str, budget: int | None = None,
                  policy: Path | None = None) -> tuple[dict | None, str, str, dict]:
     """The script under the launcher; its result, status, note, and the launcher's report."""
@@ -162,15 +174,21 @@ def frontier_at(model: str, args, budget: int, stock_peak: int | None, every: tu
 
 def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | None) -> list[dict]:
     """Every peer and the planner at one budget, as records (their ratios to stock come later)."""
-    every = peer_run(model, args, budget, "all")
-    frontier, tried = frontier_at(model, args, budget, stock_peak, every)
-    runs = {"checkpointing": [every], "frontier": [frontier], "planner": []}
+    from zoo_train import MODELS
+
+    if MODELS[model].checkpointable:
+        every = peer_run(model, args, budget, "all")
+        frontier, tried = frontier_at(model, args, budget, stock_peak, every)
+    else:
+        every, frontier, tried = NO_BLOCKS, NO_BLOCKS, []
+    runs = {"checkpointing": [every], "frontier": [frontier], "save_on_cpu": [], "planner": []}
     again = {}  # method -> one more run of it
     if every[0] is not None:  # where none fits, once is enough
         again["checkpointing"] = lambda: peer_run(model, args, budget, "all")
         k = frontier[0]["checkpointed_layers"]
         if k != every[0]["checkpointed_layers"]:
             again["frontier"] = lambda: peer_run(model, args, budget, str(k))
+    again["save_on_cpu"] = lambda: save_on_cpu_run(model, args, budget)
     again["planner"] = lambda: launched_run("planner", model, args, budget=budget)
     variants = {}  # planner runs under another policy: method -> (scheduler keys, what the policy is)
     if args.ablations:
@@ -190,12 +208,13 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
     common = dict(model=model, run_id=run_id, stock_rate=None, budget=budget)
     records = [record(*pooled(runs["checkpointing"]), method="checkpointing", **common),
                record(*pooled(runs["frontier"]), method="frontier", frontier_tried=tried, **common),
+               record(*pooled(runs["save_on_cpu"]), method="save_on_cpu", **common),
                planner_record(pooled(runs["planner"]), "planner", **common)]
     records += [planner_record(pooled(runs[method]), method, **common) for method in variants]
-    peers = [r["samples_per_s"] for r in records[:2] if r["samples_per_s"]]
+    peers = [r["samples_per_s"] for r in records[:3] if r["samples_per_s"]]
     for r in records:
         r["ratio_vs_fastest_peer"] = ratio(r["samples_per_s"], max(peers) if peers else None)
-    planned = records[2]  # the planner's
+    planned = records[3]  # the planner's
     if planned["highwater_bytes"] is not None:
         planned["highwater_within_budget_plus_1GiB"] = planned["highwater_bytes"] <= budget + GiB
     return records

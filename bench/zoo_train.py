@@ -19,7 +19,9 @@ fp32 logits, ~370M), convnext and swin (torchvision's ConvNeXt-T, with stochasti
 Swin-T, at 224x224), densenet, efficientnet, mobilenet and regnet (torchvision's DenseNet-121,
 EfficientNetV2-S, MobileNetV3-Large and RegNetY-1.6GF, at 224x224), googlenet and inception
 (torchvision's GoogLeNet and Inception v3 without their auxiliary heads, at 224x224; Inception v3
-holds its blocks as attributes, in no ModuleList or Sequential). --tiny builds two-layer
+holds its blocks as attributes, in no ModuleList or Sequential), and vgg (torchvision's VGG-16 with
+BatchNorm, at 224x224: layers in Sequentials and no blocks, so nothing to checkpoint block by
+block; --save-on-cpu is its peer). --tiny builds two-layer
 versions of the Hugging Face and PyTorch models for tests (on the CPU with --cpu); torchvision's
 have no tiny version.
 
@@ -48,6 +50,7 @@ stdout is one JSON object; an out-of-memory ends the run with exit status 3.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -76,6 +79,7 @@ class ZooModel:
     sequence_key: str | None = None            # the input whose length --lengths draws
     loss: Callable[..., torch.Tensor] | None = None  # (model, inputs) -> loss, where the loop computes it
     layers: Callable[..., list] | None = None  # model -> its blocks, where checkpointing is not Hugging Face's
+    checkpointable: bool = True                # whether it has blocks to checkpoint at all
 
 
 def _llama(tiny: bool):
@@ -312,6 +316,8 @@ MODELS = {
     "inception": ZooModel(_torchvision("inception_v3", aux_logits=False, init_weights=True), 192, _image_batch,
                           "a 224x224 image", loss=_image_loss,
                           layers=_blocks_named(*(f"Inception{kind}" for kind in "ABCDE"))),
+    "vgg": ZooModel(_torchvision("vgg16_bn"), 128, _image_batch, "a 224x224 image", loss=_image_loss,
+                    checkpointable=False),
 }
 
 
@@ -337,6 +343,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loop-loss", action="store_true", help=f"the loss taken in the loop from the logits "
                    f"({', '.join(DECODERS)})")
     p.add_argument("--pairs", action="store_true", help="two forwards, of two batches, before each backward")
+    p.add_argument("--save-on-cpu", action="store_true", help="every forward and backward inside "
+                   "torch.autograd.graph.save_on_cpu(pin_memory=True): saved activations wait in host memory")
     p.add_argument("--tiny", action="store_true", help="two-layer models (tests)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU (with --tiny, for tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -344,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.checkpoint_layers not in (None, "all") and not args.checkpoint_layers.isdigit():
         p.error(f"--checkpoint-layers must be a number of layers or 'all'; got {args.checkpoint_layers!r}")
+    if args.checkpoint_layers is not None and not MODELS[args.model].checkpointable:
+        p.error(f"--checkpoint-layers: {args.model} has no blocks to checkpoint; --save-on-cpu is its peer")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be at least 0 and below --steps ({args.steps}); got {args.warmup}")
     if args.batch is not None and args.batch < 1:
@@ -496,6 +506,9 @@ def train(args, device: torch.device) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=args.fp16 and device.type == "cuda")
     lengths = step_lengths(args.lengths, args.steps, args.seed, args.pad_to) if args.lengths else None
     calls = 2 if args.pairs else 1   # forwards before each backward
+    pinned = device.type == "cuda"
+    saved_on_host = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=pinned)) if args.save_on_cpu \
+        else contextlib.nullcontext
     losses, seconds, clocks = [], [], {}
     for step in range(args.steps):
         if step == args.warmup:
@@ -504,13 +517,14 @@ def train(args, device: torch.device) -> dict:
         total = 0.0
         for micro in range(args.accumulate):
             first = (step * args.accumulate + micro) * calls
-            with autocast:  # every forward of the micro-batch before its one backward
-                loss = sum(_loss(args, zoo, call, _on_device(batches[(first + k) % BATCHES], device, zoo, lengths, step,
-                                                             args.model))
-                           for k in range(calls))
-            if args.accumulate > 1:
-                loss = loss / args.accumulate
-            scaler.scale(loss).backward()
+            with saved_on_host():
+                with autocast:  # every forward of the micro-batch before its one backward
+                    loss = sum(_loss(args, zoo, call, _on_device(batches[(first + k) % BATCHES], device, zoo, lengths,
+                                                                 step, args.model))
+                               for k in range(calls))
+                if args.accumulate > 1:
+                    loss = loss / args.accumulate
+                scaler.scale(loss).backward()
             total += loss.detach()
         scaler.step(optimizer)
         scaler.update()
@@ -523,7 +537,7 @@ def train(args, device: torch.device) -> dict:
     samples = batch_size * args.accumulate * calls
     return {"model": args.model, "sample": None if args.tiny else zoo.sample, "batch": samples,
             "micro_batch": batch_size, "accumulate": args.accumulate, "fp16": args.fp16, "loop_loss": args.loop_loss,
-            "forwards_per_backward": calls,
+            "forwards_per_backward": calls, "save_on_cpu": args.save_on_cpu,
             "checkpointed_layers": layers, "frozen_layers": frozen, "compiled": args.compile,
             "parameters": sum(p.numel() for p in model.parameters()),
             "trained_parameters": sum(p.numel() for p in trained), "steps": args.steps,

@@ -37,6 +37,13 @@ def test_each_model_trains_and_checkpointing_its_first_layers_gives_the_same_los
     assert plain["losses"][0] > 0 and plain["samples_per_s"] > 0 and plain["device"] == "cpu"
 
 
+def test_saved_activations_in_host_memory_give_the_same_losses():
+    plain = zoo_train.main(["--model", "gpt2", "--tiny", "--cpu", "--steps", "2", "--warmup", "1"])
+    on_host = zoo_train.main(["--model", "gpt2", "--tiny", "--cpu", "--steps", "2", "--warmup", "1", "--save-on-cpu"])
+    assert on_host["save_on_cpu"] and not plain["save_on_cpu"]
+    assert on_host["losses"] == plain["losses"]
+
+
 def test_the_loops_options_accumulate_freeze_and_name_the_workload():
     run = ["--model", "encoder", "--tiny", "--cpu", "--steps", "2", "--warmup", "1"]
     accumulated = zoo_train.main([*run, "--accumulate", "3"])
@@ -135,6 +142,7 @@ def test_a_densenet_layer_checkpoints_itself_rather_than_under_a_wrapper():
     (["--model", "llama", "--checkpoint-layers", "half"], "a number of layers or 'all'"),
     (["--model", "llama", "--warmup", "12"], "below --steps"),
     (["--model", "llama", "--batch", "0"], "at least 1"),
+    (["--model", "vgg", "--checkpoint-layers", "all"], "vgg has no blocks to checkpoint"),
 ])
 def test_the_script_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -169,8 +177,8 @@ def test_the_frontier_guess_interpolates_between_the_two_ends():
 
 class StandIn:
     """run_train for zoo_train.py runs: k checkpointed layers of 24 hold 20 GiB - k x 0.5 GiB and
-    run at 100 - k samples/s; a run fits if that is within its --memory-limit. The planner runs at
-    `planner_rate` and reports a plan."""
+    run at 100 - k samples/s; save_on_cpu holds 7 GiB and runs at 60 samples/s; a run fits if what
+    it holds is within its --memory-limit. The planner runs at `planner_rate` and reports a plan."""
 
     def __init__(self, planner_rate=95.0):
         self.planner_rate = planner_rate
@@ -184,12 +192,16 @@ class StandIn:
             report.write_text('{"planner": {"plan": {"predicted_step_s": 0.08}, "calibration": {"step_s": 0.1}}, '
                               '"plan_table": "a table"}')
             return self._summary(0, self.planner_rate, 9 * GiB), "ok", ""
-        if "--checkpoint-layers" not in args:
+        if "--memory-limit" not in args:
             return self._summary(0, 100.0, 20 * GiB), "ok", ""
-        k = args[args.index("--checkpoint-layers") + 1]
-        k = 24 if k == "all" else int(k)
-        peak, limit = 20 * GiB - k * GiB // 2, parse_size(args[args.index("--memory-limit") + 1], key="--memory-limit", source="command line")
-        return (self._summary(k, 100.0 - k, peak), "ok", "") if peak <= limit else (None, "oom", "out of memory")
+        limit = parse_size(args[args.index("--memory-limit") + 1], key="--memory-limit", source="command line")
+        if "--save-on-cpu" in args:
+            k, peak, rate = 0, 7 * GiB, 60.0
+        else:
+            k = args[args.index("--checkpoint-layers") + 1]
+            k = 24 if k == "all" else int(k)
+            peak, rate = 20 * GiB - k * GiB // 2, 100.0 - k
+        return (self._summary(k, rate, peak), "ok", "") if peak <= limit else (None, "oom", "out of memory")
 
     @staticmethod
     def _summary(k, rate, peak):
@@ -204,7 +216,7 @@ def test_one_model_is_compared_at_each_budget_with_the_fastest_checkpointing_tha
     args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6", "--repeats", "1"])
     records = bench_zoo.compare_model("llama", args, "zoo-test")
     by_method = {r["method"]: r for r in records}
-    assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "planner"]
+    assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "save_on_cpu", "planner"]
     assert {r["run_id"] for r in records} == {"zoo-test"}
     budget = 12 * GiB  # 0.6 of 20 GiB
     assert all(r["budget_bytes"] == budget for r in records[1:]) and by_method["stock"]["budget_bytes"] is None
@@ -216,7 +228,20 @@ def test_one_model_is_compared_at_each_budget_with_the_fastest_checkpointing_tha
     assert by_method["planner"]["predicted_step_s"] == 0.08 and by_method["planner"]["plan_table"] == "a table"
     assert by_method["planner"]["calibration"] == {"step_s": 0.1}
     assert by_method["planner"]["highwater_within_budget_plus_1GiB"] is True
+    assert by_method["save_on_cpu"]["samples_per_s"] == 60.0
     assert stand_in.runs.count("stock") == 1
+
+
+def test_a_model_without_blocks_is_compared_with_save_on_cpu_alone(monkeypatch):
+    stand_in = StandIn(planner_rate=70.0)
+    monkeypatch.setattr(bench_zoo, "run_train", stand_in)
+    args = bench_zoo.parse_args(["--models", "vgg", "--fractions", "0.6", "--repeats", "2"])
+    records = bench_zoo.compare_model("vgg", args, "zoo-test")
+    by_method = {r["method"]: r for r in records}
+    assert by_method["checkpointing"]["status"] == by_method["frontier"]["status"] == "no blocks"
+    assert not any("--checkpoint-layers" in name for name in stand_in.runs)
+    assert stand_in.runs.count("save_on_cpu") == 2 and stand_in.runs.count("planner") == 2
+    assert by_method["planner"]["ratio_vs_fastest_peer"] == pytest.approx(70 / 60)
 
 
 def test_lengths_reach_every_run_and_its_record(monkeypatch):
@@ -285,7 +310,7 @@ def vit_at_0_6(monkeypatch, tmp_path, *flags: str) -> tuple["StandIn", list[dict
 def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block(monkeypatch, tmp_path):
     _, records = vit_at_0_6(monkeypatch, tmp_path, "--ablations")
     assert [r["method"] for r in records] == ["stock", "um_in_memory", "um_checkpointing", "checkpointing",
-                                             "frontier", "planner", "planner_recompute"]
+                                             "frontier", "save_on_cpu", "planner", "planner_recompute"]
     policy = (tmp_path / "policies" / "planner_recompute.yaml").read_text()
     assert "strategy: checkpoint" in policy
     assert [r["budget_bytes"] for r in records if r["method"].startswith("um_")] == [None, None]
@@ -294,7 +319,8 @@ def test_the_ablations_run_the_allocator_and_the_planner_recomputing_every_block
 
 def test_plain_loss_runs_the_planner_again_with_its_chunked_loss_off(monkeypatch, tmp_path):
     stand_in, records = vit_at_0_6(monkeypatch, tmp_path, "--plain-loss", "--repeats", "2")
-    assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "planner", "planner_plain_loss"]
+    assert [r["method"] for r in records] == ["stock", "checkpointing", "frontier", "save_on_cpu", "planner",
+                                             "planner_plain_loss"]
     assert "lean_loss: false" in (tmp_path / "policies" / "planner_plain_loss.yaml").read_text()
     assert stand_in.runs.count("planner_plain_loss") == 2  # alternated with the others, as every timed method
     plain_loss = records[-1]
@@ -302,8 +328,8 @@ def test_plain_loss_runs_the_planner_again_with_its_chunked_loss_off(monkeypatch
 
 
 class Noisy(StandIn):
-    """The stand-in, each run's samples/s scaled by the next of `factors` (the host's and the
-    clocks' noise); the planner's second run runs out of memory."""
+    """The stand-in, each run's samples/s but save_on_cpu's scaled by the next of `factors` (the
+    host's and the clocks' noise); the planner's second run runs out of memory."""
 
     def __init__(self, factors):
         super().__init__()
@@ -316,7 +342,7 @@ class Noisy(StandIn):
                 self.runs.append(run.name)
                 return None, "oom", "out of memory"
         summary, status, note = super().__call__(run, timeout)
-        if summary is not None:
+        if summary is not None and run.name != "save_on_cpu":
             factor = self.factors.pop(0)
             summary = {**summary, "samples_per_s": summary["samples_per_s"] * factor,
                        "device_used_delta_bytes": summary["device_used_delta_bytes"] + int(factor * GiB)}
@@ -330,9 +356,10 @@ def test_repeats_alternate_the_methods_and_record_the_median_of_their_runs(monke
     monkeypatch.setattr(bench_zoo, "run_train", stand_in)
     args = bench_zoo.parse_args(["--models", "llama", "--fractions", "0.6", "--repeats", "3"])
     records = {r["method"]: r for r in bench_zoo.compare_model("llama", args, "zoo-test")}
-    tail = [name for name in stand_in.runs if name != "frontier_k15"][5:]
+    tail = [name for name in stand_in.runs if name not in ("frontier_k15", "save_on_cpu")][5:]
     assert tail == ["planner", "checkpointing", "frontier_k16", "planner", "checkpointing", "frontier_k16", "planner",
                     "stock", "stock"]
+    assert stand_in.runs.count("save_on_cpu") == 3
     assert records["checkpointing"]["samples_per_s_runs"] == pytest.approx([76.0, 76 * 0.8, 76 * 1.1])
     assert records["checkpointing"]["samples_per_s"] == pytest.approx(76.0)
     assert records["frontier"]["samples_per_s"] == pytest.approx(84 * 1.0)  # of 84 x 1.1, 0.9 and 1.0
