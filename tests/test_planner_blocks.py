@@ -173,3 +173,36 @@ def test_layers_planned_as_gaps_train_as_plain_autograd_in_float64(decision):
     assert torch.equal(planned[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(planned[1], plain[1]))
     assert all(torch.equal(a, b) for a, b in zip(planned[2], plain[2]))
+
+
+class RecurrentLM(nn.Module):
+    """An embedding, a two-layer LSTM with dropout between its layers, a head: three gaps."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.rnn = nn.LSTM(16, 32, num_layers=2, batch_first=True, dropout=0.2)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+def test_a_recurrent_model_planned_as_gaps_trains_as_plain_autograd_in_float64():
+    torch.manual_seed(0)
+    model = RecurrentLM().double().train()
+    tokens = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    assert blocks_and_gaps(model) == ([], ["embed", "rnn", "head"])
+
+    def step(model):
+        torch.manual_seed(5)
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain = step(copy.deepcopy(model))
+    with fixed_decisions(model, Decision.MOVE) as (runtime, _):
+        moved = step(model)
+    assert runtime.transfers.stats.out_bytes > 0
+    assert torch.equal(moved[0], plain[0]) and all(torch.equal(a, b) for a, b in zip(moved[1], plain[1]))
