@@ -60,6 +60,14 @@ def test_a_critic_with_a_gradient_penalty_trains_with_plain_trainings_losses(cud
     assert result["planned"] == pytest.approx(result["plain"], rel=1e-5)
 
 
+def test_blocks_held_as_attributes_and_layers_planned_as_gaps_give_plain_trainings_losses(cuda_device):
+    result = _check("attributes")
+    unet, sequential = result["unet"], result["sequential"]
+    assert (unet["blocks"], unet["gaps"]) == (5, 1) and unet["planned"] == unet["plain"]
+    assert sequential["blocks"] == 0 and sequential["plan"] == {"move": sequential["gaps"] + 1}
+    assert sequential["moved_out_bytes"] > 0 and sequential["planned"] == sequential["plain"]
+
+
 def test_inputs_of_changing_length_borrow_plans_and_give_plain_trainings_losses(cuda_device):
     result = _check("lengths")
     assert result["planned"] == result["plain"]

@@ -14,6 +14,8 @@
     python tests/gpu_scripts/planner_check.py failed  # what a step that ran out of memory leaves live, per decision
     python tests/gpu_scripts/planner_check.py pairs   # two forwards before each backward: one step, plain's losses
     python tests/gpu_scripts/planner_check.py penalty # a critic with a gradient penalty (create_graph): plain's losses
+    python tests/gpu_scripts/planner_check.py attributes  # a U-Net's blocks held as attributes, and a model
+                                                          # with no blocks, its layers moved: plain's losses
 
 Two identical small BERT models see the same batches and seeds; one trains plainly, the other
 with the planner attached (two measured steps in the safe mode, then the plan).
@@ -206,6 +208,81 @@ def penalty() -> dict:
             losses[name].append(loss.item())
     return {**losses, "safe_steps": planner.safe_steps, "plan": planner.plan.counts(),
             "second_derivatives": planner._runtime.second_derivatives}
+
+
+class Down(torch.nn.Module):
+    def __init__(self, into: int, out: int):
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(into, out, 3, padding=1), torch.nn.BatchNorm2d(out)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x)))
+
+
+class Up(torch.nn.Module):
+    def __init__(self, into: int, out: int):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(into, out, 3, padding=1)
+
+    def forward(self, x, skip):
+        return torch.relu(self.conv(torch.cat([torch.nn.functional.interpolate(x, scale_factor=2.0), skip], dim=1)))
+
+
+class UNet(torch.nn.Module):
+    """Its blocks held one by one as attributes, in no ModuleList or Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.down1, self.down2, self.down3 = Down(3, 32), Down(32, 64), Down(64, 128)
+        self.up2, self.up1 = Up(128 + 64, 64), Up(64 + 32, 32)
+        self.out = torch.nn.Conv2d(32, 1, 1)
+
+    def forward(self, x):
+        a = self.down1(x)
+        b = self.down2(torch.nn.functional.max_pool2d(a, 2))
+        c = self.down3(torch.nn.functional.max_pool2d(b, 2))
+        return self.out(self.up1(self.up2(c, b), a))
+
+
+def layers_in_sequentials() -> torch.nn.Module:
+    """A VGG's shape: no blocks, its layers gaps."""
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(4),
+                         nn.Flatten(), nn.Linear(64 * 16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+
+
+def image_losses(build, moved_from: int | None = None) -> dict:
+    """Plain and planned training of `build()` on the same six batches of 64x64 images; with
+    `moved_from`, every unit forced to move from that step on."""
+    models = {}
+    for name in ("plain", "planned"):
+        torch.manual_seed(0)
+        with um_alloc.tag("parameter"):
+            model = build().cuda().train()
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    planner = um_alloc.plan(models["planned"][0], budget="2GiB")
+    data = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    for i in range(6):
+        if i == moved_from:
+            planner.force(["move"] * (len(planner.units) + 1))
+        images = torch.randn(16, 3, 64, 64, generator=data).cuda()
+        for name, (model, optimizer) in models.items():
+            torch.manual_seed(i)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(images).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    blocks = sum(u.kind == "block" for u in planner.units)
+    return {**losses, "blocks": blocks, "gaps": len(planner.units) - blocks, "plan": planner.plan.counts(),
+            "moved_out_bytes": planner._runtime.transfers.stats.out_bytes}
+
+
+def attributes() -> dict:
+    return {"unet": image_losses(UNet), "sequential": image_losses(layers_in_sequentials, moved_from=3)}
 
 
 def rebuild() -> dict:
@@ -498,7 +575,7 @@ def large_batch() -> dict:
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
-         "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty}
+         "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty, "attributes": attributes}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit
