@@ -9,8 +9,8 @@ blocks, as in Swin or Hugging Face's ResNet), the search goes one level in: fine
 plan more to choose from, and a stage is too coarse to recompute or keep as one.
 
 Where no container holds repeated modules, the same search runs over the children of every
-module: blocks held one by one as attributes (a U-Net's ``down1``, ``down2``, ..., GoogLeNet's
-``inception3a`` to ``inception5b``). Only then: inside a model that has its blocks in a
+module: blocks held one by one as attributes (a U-Net's ``down1``, ``down2``, ..., Inception v3's
+``Mixed_5b``, ``Mixed_5c``, ...). Only then: inside a model that has its blocks in a
 container, two sublayers of one class held as attributes (a layer's two norms) are not what a
 plan should recompute. ``block_classes`` overrides the search with class names.
 
