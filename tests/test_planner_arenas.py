@@ -255,6 +255,28 @@ def test_a_budget_the_plan_that_keeps_least_passes_within_the_overflow_trains_wi
     planner.remove()
 
 
+def test_the_copy_stages_count_against_the_budget_and_not_against_the_overflow():
+    """The stages beside the pool (512 MiB here) stay on the GPU: a least plan 1.25 GiB past the
+    budget with them, 0.75 GiB without, overflows 0.75 GiB of the pool, within the 1 GiB allowed."""
+    model = tiny_bert(dropout=0.0).float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = BlockPlanner(model, "2GiB")
+    planner._reserved = 512 << 20
+    model._recorded = planner._runtime.arenas = RecordedArenas()
+    in_use = [0]
+    planner._probe.live = lambda: in_use[0]
+    ids, closed = torch.randint(0, 97, (4, 16)), []
+    for _ in range(3):
+        train_step(model, optimizer, ids, closed)
+    in_use[0] = 11 << 28  # 2.75 GiB
+    train_step(model, optimizer, ids, closed)
+    cal = planner.calibration
+    excess = cal.smallest_budget(0) - (2 << 30)
+    assert cal.reserved_bytes == 512 << 20 and excess - cal.reserved_bytes <= planner.overflow < excess
+    assert planner.plan.made == WITHIN_LEAST
+    planner.remove()
+
+
 def test_the_installed_policy_sets_the_overflow_and_an_argument_overrides_it(monkeypatch):
     """Under the launcher or a callback there is no call to pass `overflow` to: the policy's
     scheduler.overflow (0 turns it off) stands in, and auto is a quarter of the budget."""

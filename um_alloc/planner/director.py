@@ -490,7 +490,9 @@ class BlockPlanner:
             excess = cal.smallest_budget(0) - self.budget
             if not self._runtime.arenas.can_overflow:
                 raise
-            if excess > self.overflow:
+            # The copy stages are device memory beside the pool, which never goes to host memory:
+            # what overflows is the pool's share of the excess.
+            if excess - cal.reserved_bytes > self.overflow:
                 raise PlanInfeasible(f"{refused}; a step may overflow only {format_size(self.overflow)} past the "
                                      f"budget to host memory (overflow=, scheduler.overflow)",
                                      refused.smallest_bytes) from None
