@@ -123,9 +123,22 @@ class Plain(nn.Module):
         return self.classifier(self.features(x))
 
 
-def test_a_model_without_two_parts_of_one_class_is_planned_as_gaps():
-    assert blocks_and_gaps(OneOfEach()) == ([], ["encode", "decode", "head"])
-    assert blocks_and_gaps(Plain()) == ([], [f"features.{i}" for i in range(6)] + [f"classifier.{i}" for i in range(5)])
+class Holding(nn.Module):
+    """A training framework's module, the model an attribute of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Plain()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_a_model_without_two_parts_of_one_class_is_planned_as_gaps_layer_by_layer():
+    layers = [f"features.{i}" for i in range(6)] + [f"classifier.{i}" for i in range(5)]
+    assert blocks_and_gaps(Plain()) == ([], layers)
+    assert blocks_and_gaps(Holding()) == ([], [f"model.{name}" for name in layers])
+    assert blocks_and_gaps(OneOfEach()) == ([], ["encode.inner", "encode.outer", "decode.value", "decode.gate", "head"])
     assert blocks_and_gaps(nn.Linear(4, 4)) == ([], [])
 
 

