@@ -109,6 +109,40 @@ def test_a_container_of_repeated_blocks_comes_before_sublayers_held_as_attribute
     assert blocks_and_gaps(LayersInAList()) == (["layers.0", "layers.1"], [])
 
 
+class Branches(nn.Module):
+    """An Inception module's shape: a branch of one layer and a Sequential of two units."""
+
+    def __init__(self):
+        super().__init__()
+        self.single = nn.Linear(16, 16)
+        self.double = nn.Sequential(Residual(), Residual())
+
+    def forward(self, x):
+        return self.single(x) + self.double(x)
+
+
+class BranchyNet(nn.Module):
+    """GoogLeNet's shape: two stem units and eight modules with branches, all attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem1, self.stem2 = Residual(), Residual()
+        for i in range(8):
+            setattr(self, f"module{i}", Branches())
+
+    def forward(self, x):
+        x = self.stem2(self.stem1(x))
+        for i in range(8):
+            x = getattr(self, f"module{i}")(x)
+        return x
+
+
+def test_eight_or_more_attributes_holding_every_container_block_are_the_blocks():
+    """Not the units of each module's branch (what the search over containers finds)."""
+    blocks, gaps = blocks_and_gaps(BranchyNet())
+    assert blocks == ["stem1", "stem2"] + [f"module{i}" for i in range(8)] and gaps == []
+
+
 class Plain(nn.Module):
     """A VGG's shape: layers in Sequentials, no two composite modules of one class."""
 

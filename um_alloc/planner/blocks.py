@@ -8,11 +8,14 @@ Where fewer than MIN_BLOCKS repeated modules hold repeated modules themselves (f
 blocks, as in Swin or Hugging Face's ResNet), the search goes one level in: finer units give the
 plan more to choose from, and a stage is too coarse to recompute or keep as one.
 
-Where no container holds repeated modules, the same search runs over the children of every
-module: blocks held one by one as attributes (a U-Net's ``down1``, ``down2``, ..., Inception v3's
-``Mixed_5b``, ``Mixed_5c``, ...). Only then: inside a model that has its blocks in a
-container, two sublayers of one class held as attributes (a layer's two norms) are not what a
-plan should recompute. ``block_classes`` overrides the search with class names.
+The same search also runs over the children of every module: blocks held one by one as
+attributes (a U-Net's ``down1``, ``down2``, ..., Inception v3's ``Mixed_5b``, ``Mixed_5c``, ...).
+Its blocks are taken where no container holds repeated modules, or where they hold every block
+the containers' search found and number at least MIN_BLOCKS: GoogLeNet's nine Inception modules
+(and its three stem convolutions), not the convolutions of their branches' Sequentials. Inside a
+model that has its blocks in a container, two sublayers of one class held as attributes (a
+layer's two norms) are not what a plan should recompute. ``block_classes`` overrides the search
+with class names.
 
 A *gap* is what lies between blocks: the children along the way from the root to the blocks that
 neither are blocks nor contain one (embeddings, a ResNet's stem, the head). A ModuleList or
@@ -58,7 +61,17 @@ def block_modules(model: nn.Module, block_classes: Iterable[str] | None = None) 
     """
     if block_classes is not None:
         return _named_blocks(model, set(block_classes))
-    return _repeated_blocks(model, _CONTAINERS) or _repeated_blocks(model, nn.Module)
+    in_containers = _repeated_blocks(model, _CONTAINERS)
+    anywhere = _repeated_blocks(model, nn.Module)
+    if not in_containers or (len(anywhere) >= MIN_BLOCKS and _all_inside(in_containers, anywhere)):
+        return anywhere
+    return in_containers
+
+
+def _all_inside(inner: list[tuple[str, nn.Module]], outer: list[tuple[str, nn.Module]]) -> bool:
+    """Whether every block of `inner` lies inside one of `outer` (by qualified name), and none is one."""
+    prefixes = tuple(f"{path}." for path, _ in outer)
+    return all(path.startswith(prefixes) for path, _ in inner)
 
 
 def _repeated_blocks(model: nn.Module, holders: type | tuple[type, ...]) -> list[tuple[str, nn.Module]]:
