@@ -2,7 +2,8 @@
 run their own weights, unplanned; a shallow copy is planned as the model; nn.DataParallel's
 replicas are refused with what to do instead; a loop calling model.forward() is told why nothing
 is planned; a user's hooks inside a recomputed block run again in its rerun; a model called with
-tensors swapped in for its parameters (torch.func.functional_call) keeps what it would recompute."""
+tensors swapped in for its parameters (torch.func.functional_call) keeps what it would recompute;
+a model that skips layers at random each step (LayerDrop) trains as plain autograd."""
 import copy
 import io
 
@@ -205,5 +206,56 @@ def test_a_model_moved_after_it_was_planned_is_refused_with_what_to_do():
             model(input_ids=IDS.to("meta"), labels=IDS.to("meta"))
         with torch.no_grad():
             model(input_ids=IDS.to("meta"))  # evaluation is not a training step: nothing refused
+    finally:
+        planner.remove()
+
+
+class SkippingLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class LayerDrop(torch.nn.Module):
+    """Six layers, each skipped in a step when `skip` names it (wav2vec2's and BART's LayerDrop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([SkippingLayer() for _ in range(6)])
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x, skip=()):
+        for i, layer in enumerate(self.layers):
+            if i not in skip:
+                x = layer(x)
+        return self.head(x)
+
+
+def test_layers_skipped_at_random_each_step_train_as_plain_autograd():
+    """The calibration steps skip some layers and planned steps others: a layer the measured step
+    never ran still runs its decision, and every step's parameters are plain training's."""
+    import random
+
+    torch.manual_seed(0)
+    model = LayerDrop().double()
+    plain = copy.deepcopy(model)
+    planner = BlockPlanner(model, "1GiB")
+    planner._runtime.min_bytes = 1
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, plain)]
+    draw, x = random.Random(0), torch.randn(8, 16, dtype=torch.float64)
+    try:
+        for step in range(8):
+            if step == 3:
+                planner.force(["recompute_moved"] * 3 + ["recompute"] * 3 + ["move", "move"])
+            skip = {i for i in range(6) if draw.random() < 0.3}
+            for m, optimizer in zip((model, plain), optimizers):
+                m(x, skip).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters())), step
+        assert planner.safe_steps == 2 and planner.plan.made == "forced"
     finally:
         planner.remove()
