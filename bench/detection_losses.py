@@ -1,0 +1,115 @@
+"""Plain against planned training of torchvision's detection models, loss by loss.
+
+    python bench/detection_losses.py fasterrcnn_mobilenet_v3_large_fpn@10.5GiB maskrcnn_resnet50_fpn@14GiB
+    python bench/detection_losses.py fasterrcnn_mobilenet_v3_large_fpn@none      # the control: both plain
+
+Each MODEL@BUDGET builds two copies of the model (no weights, 5 classes) and trains them side by
+side for --steps steps on the same batches (four random 480x640 images, three random boxes each,
+and masks for Mask R-CNN), each step seeded alike: one copy plainly, the other with the block
+planner at BUDGET (`none`: plainly too, which shows what the model's own kernels vary by). um_alloc
+is installed with a budget that holds plain training (--pool-budget), so only the plan keeps to
+BUDGET. Deterministic algorithms are asked for, with warnings where an op has none. Prints, per
+model, whether the two copies' losses are equal, their largest relative difference, both lists,
+and the plan.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import um_alloc  # noqa: E402
+
+IMAGES, BOXES, CLASSES, HEIGHT, WIDTH = 4, 3, 5, 480, 640
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="MODEL@BUDGET",
+                   help="a torchvision.models.detection builder and the planner's budget, or @none")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--pool-budget", default="40GiB", help="um_alloc's own budget (default 40GiB)")
+    args = p.parse_args(argv)
+    bad = [run for run in args.runs if run.count("@") != 1]
+    if bad:
+        p.error(f"each run is MODEL@BUDGET (a size, or none); got {', '.join(bad)}")
+    if args.steps < 3:
+        p.error(f"--steps must be at least 3 (two measure, then the plan runs); got {args.steps}")
+    return args
+
+
+def build(name: str):
+    import torchvision
+
+    torch.manual_seed(0)
+    with um_alloc.tag("parameter"):
+        model = getattr(torchvision.models.detection, name)(weights=None, weights_backbone=None,
+                                                            num_classes=CLASSES).cuda().train()
+    return model, torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9)
+
+
+def batch(generator: torch.Generator, masks: bool) -> tuple[list, list]:
+    images = [torch.rand(3, HEIGHT, WIDTH, generator=generator).cuda() for _ in range(IMAGES)]
+    targets = []
+    for _ in range(IMAGES):
+        corner = torch.rand(BOXES, 2, generator=generator) * 300
+        boxes = torch.cat([corner, corner + 40 + torch.rand(BOXES, 2, generator=generator) * 100], dim=1)
+        target = {"boxes": boxes.cuda(), "labels": torch.randint(1, CLASSES, (BOXES,), generator=generator).cuda()}
+        if masks:
+            target["masks"] = (torch.rand(BOXES, HEIGHT, WIDTH, generator=generator) > 0.5).to(torch.uint8).cuda()
+        targets.append(target)
+    return images, targets
+
+
+def side_by_side(name: str, budget: str, steps: int) -> dict:
+    copies = {"plain": build(name), "planned": build(name)}
+    planner = None if budget == "none" else um_alloc.plan(copies["planned"][0], budget=budget)
+    generator = torch.Generator().manual_seed(1)
+    losses = {"plain": [], "planned": []}
+    try:
+        for step in range(steps):
+            images, targets = batch(generator, masks="mask" in name)
+            for which, (model, optimizer) in copies.items():
+                torch.manual_seed(step)
+                loss = sum(model(images, targets).values())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses[which].append(loss.item())
+        plan = None if planner is None or planner.plan is None else planner.table().splitlines()[-1]
+        return {**losses, "plan": plan}
+    finally:
+        if planner is not None:
+            planner.remove()
+
+
+def report(name: str, result: dict) -> None:
+    plain, planned = result["plain"], result["planned"]
+    differs = max(abs(a - b) / abs(a) for a, b in zip(plain, planned))
+    print(f"{name}: losses equal: {plain == planned}; largest relative difference {differs:.3g}")
+    print(f"  plain   {[round(x, 5) for x in plain]}")
+    print(f"  planned {[round(x, 5) for x in planned]}")
+    print(f"  plan: {result['plan']}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("detection_losses.py: needs a CUDA device", file=sys.stderr)
+        return 2
+    um_alloc.install("best.yaml", budget=args.pool_budget)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for run in args.runs:
+        name, budget = run.split("@")
+        report(name, side_by_side(name, budget, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
