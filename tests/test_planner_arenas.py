@@ -196,21 +196,33 @@ def test_where_no_plan_leaves_room_for_what_overflowed_plans_no_larger_than_the_
     assert planner.margin == most and planner.overflowed_steps == 2
 
 
+class InUse:
+    """A tiny BERT planned under `budget` on the CPU, where the pool's live bytes, which the CPU
+    does not have, are `in_use`: memory that outlasts steps, raised between them by a test."""
+
+    def __init__(self, budget: str, **options):
+        self.model = tiny_bert(dropout=0.0).float()
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.planner = BlockPlanner(self.model, budget, **options)
+        self.model._recorded = self.planner._runtime.arenas = RecordedArenas()
+        self.in_use = 0
+        self.planner._probe.live = lambda: self.in_use
+        self.ids, self.closed = torch.randint(0, 97, (4, 16)), []
+
+    def steps(self, count: int = 1) -> None:
+        for _ in range(count):
+            train_step(self.model, self.optimizer, self.ids, self.closed)
+
+
 def test_where_the_margin_leaves_no_plan_room_it_is_cut_to_what_the_plan_that_keeps_least_leaves(caplog):
     """The margin guards a plan against the pool's layout; where it alone keeps every plan out and
     the pool can overflow, it shrinks rather than refusing a budget the safe steps trained in."""
-    model = tiny_bert(dropout=0.0).float()
-    optimizer = torch.optim.AdamW(model.parameters())
-    planner = BlockPlanner(model, "2GiB", margin="512MiB")
-    model._recorded = planner._runtime.arenas = RecordedArenas()
-    in_use = [0]
-    planner._probe.live = lambda: in_use[0]  # the CPU has no pool: stand in for its live bytes
-    ids, closed = torch.randint(0, 97, (4, 16)), []
-    for _ in range(3):
-        train_step(model, optimizer, ids, closed)
-    in_use[0] = 7 << 28  # 1.75 GiB: with the 512 MiB margin, more than the 2 GiB budget leaves
+    run = InUse("2GiB", margin="512MiB")
+    planner = run.planner
+    run.steps(3)  # two safe steps, the plan's first step
+    run.in_use = 7 << 28  # 1.75 GiB: with the 512 MiB margin, more than the 2 GiB budget leaves
     with caplog.at_level("WARNING", logger="um_alloc.planner"):
-        train_step(model, optimizer, ids, closed)
+        run.steps()
     room = (2 << 30) - planner.calibration.smallest_budget(0)
     assert 0 < room <= 256 << 20 and planner.margin == room
     assert f"margin cut to {format_size(room)}, what the plan that keeps least leaves" in caplog.text
@@ -227,19 +239,13 @@ def test_a_budget_the_plan_that_keeps_least_passes_within_the_overflow_trains_wi
     from um_alloc.planner import PlanInfeasible
     from um_alloc.planner.planning import SAFE
 
-    model = tiny_bert(dropout=0.0).float()
-    optimizer = torch.optim.AdamW(model.parameters())
-    planner = BlockPlanner(model, "2GiB")
+    run = InUse("2GiB")
+    planner = run.planner
     assert planner.overflow == 1 << 30  # default_overflow: at least 1 GiB
-    model._recorded = planner._runtime.arenas = RecordedArenas()
-    in_use = [0]
-    planner._probe.live = lambda: in_use[0]
-    ids, closed = torch.randint(0, 97, (4, 16)), []
-    for _ in range(3):
-        train_step(model, optimizer, ids, closed)
-    in_use[0] = 9 << 28  # 2.25 GiB
+    run.steps(3)
+    run.in_use = 9 << 28  # 2.25 GiB
     with caplog.at_level("WARNING", logger="um_alloc.planner"):
-        train_step(model, optimizer, ids, closed)
+        run.steps()
     excess = planner.calibration.smallest_budget(0) - (2 << 30)
     assert 256 << 20 <= excess < 512 << 20
     assert f"needs {format_size(excess)} more than the 2.0 GiB budget holds" in caplog.text
@@ -249,27 +255,21 @@ def test_a_budget_the_plan_that_keeps_least_passes_within_the_overflow_trains_wi
     assert least.made == LEAST and least.decisions == tuple(SAFE[u.kind] for u in planner.calibration.units)
     assert planned.predicted_peak_bytes <= least.predicted_peak_bytes  # it overflows no more
     assert least.predicted_peak_bytes > least.limit_bytes == 2 << 30
-    in_use[0] = 13 << 28  # 3.25 GiB: 1.25 GiB past the budget, more than the overflow
+    run.in_use = 13 << 28  # 3.25 GiB: 1.25 GiB past the budget, more than the overflow
     with pytest.raises(PlanInfeasible, match=r"ask for 3.25GiB or more; a step may overflow only 1.0 GiB past"):
-        model(input_ids=ids, labels=ids)
+        run.model(input_ids=run.ids, labels=run.ids)
     planner.remove()
 
 
 def test_the_copy_stages_count_against_the_budget_and_not_against_the_overflow():
     """The stages beside the pool (512 MiB here) stay on the GPU: a least plan 1.25 GiB past the
     budget with them, 0.75 GiB without, overflows 0.75 GiB of the pool, within the 1 GiB allowed."""
-    model = tiny_bert(dropout=0.0).float()
-    optimizer = torch.optim.AdamW(model.parameters())
-    planner = BlockPlanner(model, "2GiB")
+    run = InUse("2GiB")
+    planner = run.planner
     planner._reserved = 512 << 20
-    model._recorded = planner._runtime.arenas = RecordedArenas()
-    in_use = [0]
-    planner._probe.live = lambda: in_use[0]
-    ids, closed = torch.randint(0, 97, (4, 16)), []
-    for _ in range(3):
-        train_step(model, optimizer, ids, closed)
-    in_use[0] = 11 << 28  # 2.75 GiB
-    train_step(model, optimizer, ids, closed)
+    run.steps(3)
+    run.in_use = 11 << 28  # 2.75 GiB
+    run.steps()
     cal = planner.calibration
     excess = cal.smallest_budget(0) - (2 << 30)
     assert cal.reserved_bytes == 512 << 20 and excess - cal.reserved_bytes <= planner.overflow < excess
