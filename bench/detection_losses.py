@@ -45,8 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(name: str):
-    import torchvision
-
+    try:
+        import torchvision
+    except ImportError:
+        raise SystemExit("detection_losses.py: the models are torchvision's; install torchvision") from None
     torch.manual_seed(0)
     with um_alloc.tag("parameter"):
         model = getattr(torchvision.models.detection, name)(weights=None, weights_backbone=None,
