@@ -48,6 +48,9 @@ class UNet(nn.Module):
 
 
 class Stage(nn.Module):
+    """Two sublayers of one class held as attributes: a stage of residual units, or a layer's two
+    norms."""
+
     def __init__(self):
         super().__init__()
         self.first, self.second = Residual(), Residual()
@@ -68,21 +71,10 @@ class Stages(nn.Module):
         return self.s4(self.s3(self.s2(self.s1(x))))
 
 
-class TwoNorms(nn.Module):
-    """A layer with two sublayers of one class held as attributes."""
-
-    def __init__(self):
-        super().__init__()
-        self.before, self.after = Residual(), Residual()
-
-    def forward(self, x):
-        return self.after(self.before(x))
-
-
 class LayersInAList(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([TwoNorms(), TwoNorms()])
+        self.layers = nn.ModuleList([Stage(), Stage()])
 
     def forward(self, x):
         for layer in self.layers:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner, Decision, planner_of
-from planner_helpers import fixed_decisions
+from planner_helpers import Residual, fixed_decisions
 from test_planner_replay import gradients, tiny_bert
 
 transformers = pytest.importorskip("transformers")
@@ -210,21 +210,12 @@ def test_a_model_moved_after_it_was_planned_is_refused_with_what_to_do():
         planner.remove()
 
 
-class SkippingLayer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
 class LayerDrop(torch.nn.Module):
     """Six layers, each skipped in a step when `skip` names it (wav2vec2's and BART's LayerDrop)."""
 
     def __init__(self):
         super().__init__()
-        self.layers = torch.nn.ModuleList([SkippingLayer() for _ in range(6)])
+        self.layers = torch.nn.ModuleList([Residual() for _ in range(6)])
         self.head = torch.nn.Linear(16, 1)
 
     def forward(self, x, skip=()):
