@@ -2,6 +2,8 @@
 
     python bench/detection_losses.py fasterrcnn_mobilenet_v3_large_fpn@10.5GiB maskrcnn_resnet50_fpn@14GiB
     python bench/detection_losses.py fasterrcnn_mobilenet_v3_large_fpn@none      # the control: both plain
+    python bench/detection_losses.py maskrcnn_resnet50_fpn@14GiB --no-one-node   # checkpoint's recomputation only
+    python bench/detection_losses.py fasterrcnn_mobilenet_v3_large_fpn@10.5GiB --float64 --steps 4
 
 Each MODEL@BUDGET builds two copies of the model (no weights, 5 classes) and trains them side by
 side for --steps steps on the same batches (four random 480x640 images, three random boxes each,
@@ -11,6 +13,14 @@ is installed with a budget that holds plain training (--pool-budget), so only th
 BUDGET. Deterministic algorithms are asked for, with warnings where an op has none. Prints, per
 model, whether the two copies' losses are equal, their largest relative difference, both lists,
 and the plan.
+
+Recomputation as one node sums a tensor's gradient shares in another order than plain autograd
+(docs/planner.md); these models read a backbone layer's output both in the next layer and in the
+feature pyramid. --no-one-node recomputes through torch.utils.checkpoint only. --float64 asks
+whether the other order is any less right: for --steps steps on the same parameters (no optimizer
+steps), it compares the gradients of plain and planned training in float32 with those of plain
+training in float64 (the reference), and planned with plain training in float64, each as the
+largest difference over the model relative to the reference's largest gradient.
 """
 from __future__ import annotations
 
@@ -35,16 +45,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a torchvision.models.detection builder and the planner's budget, or @none")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--pool-budget", default="40GiB", help="um_alloc's own budget (default 40GiB)")
+    p.add_argument("--no-one-node", action="store_true",
+                   help="recompute through torch.utils.checkpoint only (one_node_recompute=False)")
+    p.add_argument("--float64", action="store_true",
+                   help="compare gradients with float64 plain training's instead of training (see above)")
     args = p.parse_args(argv)
     bad = [run for run in args.runs if run.count("@") != 1]
     if bad:
         p.error(f"each run is MODEL@BUDGET (a size, or none); got {', '.join(bad)}")
     if args.steps < 3:
         p.error(f"--steps must be at least 3 (two measure, then the plan runs); got {args.steps}")
+    if args.float64 and any(run.endswith("@none") for run in args.runs):
+        p.error("--float64 compares planned training with plain: give each run a budget, not none")
     return args
 
 
-def build(name: str):
+def build(name: str, dtype: torch.dtype = torch.float32):
     try:
         import torchvision
     except ImportError:
@@ -52,7 +68,7 @@ def build(name: str):
     torch.manual_seed(0)
     with um_alloc.tag("parameter"):
         model = getattr(torchvision.models.detection, name)(weights=None, weights_backbone=None,
-                                                            num_classes=CLASSES).cuda().train()
+                                                            num_classes=CLASSES).to("cuda", dtype).train()
     return model, torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9)
 
 
@@ -69,9 +85,10 @@ def batch(generator: torch.Generator, masks: bool) -> tuple[list, list]:
     return images, targets
 
 
-def side_by_side(name: str, budget: str, steps: int) -> dict:
+def side_by_side(name: str, budget: str, steps: int, one_node: bool) -> dict:
     copies = {"plain": build(name), "planned": build(name)}
-    planner = None if budget == "none" else um_alloc.plan(copies["planned"][0], budget=budget)
+    planner = None if budget == "none" else um_alloc.plan(copies["planned"][0], budget=budget,
+                                                          one_node_recompute=one_node)
     generator = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
     try:
@@ -89,6 +106,51 @@ def side_by_side(name: str, budget: str, steps: int) -> dict:
     finally:
         if planner is not None:
             planner.remove()
+
+
+def against_float64(name: str, budget: str, steps: int, one_node: bool) -> list[dict]:
+    """Per step, each copy's largest gradient difference from plain float64 training's, relative
+    to the largest gradient of that reference; the parameters stay as built."""
+    models = {which: build(name, torch.float64 if which.endswith("64") else torch.float32)[0]
+              for which in ("plain64", "plain32", "planned32", "planned64")}
+    planners = [um_alloc.plan(models[which], budget=budget, one_node_recompute=one_node)
+                for which in ("planned32", "planned64")]
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    try:
+        for step in range(steps):
+            images, targets = batch(generator, masks="mask" in name)
+            grads = {which: _gradients(model, images, targets, step) for which, model in models.items()}
+            reference = grads["plain64"]
+            largest = max(g.abs().max() for g in reference.values())
+            rows.append({which: float(max((g - reference[n]).abs().max() for n, g in grads[which].items()) / largest)
+                         for which in ("plain32", "planned32", "planned64")}
+                        | {"planned32 vs plain32": float(max((g - grads["plain32"][n]).abs().max()
+                                                             for n, g in grads["planned32"].items()) / largest)})
+        return rows
+    finally:
+        for planner in planners:
+            planner.remove()
+
+
+def _gradients(model, images: list, targets: list, step: int) -> dict:
+    """The step's gradients in float64, the model's own cleared."""
+    dtype = next(model.parameters()).dtype
+    images = [image.to(dtype) for image in images]
+    targets = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in target.items()} for target in targets]
+    torch.manual_seed(step)
+    sum(model(images, targets).values()).backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def report_float64(name: str, rows: list[dict]) -> None:
+    print(f"{name}: largest gradient difference from plain float64 training, relative to its largest gradient")
+    print(f"  {'step':>4} {'plain float32':>14} {'planned float32':>16} {'planned float64':>16} {'planned-plain float32':>22}")
+    for step, row in enumerate(rows, 1):
+        print(f"  {step:>4} {row['plain32']:>14.3g} {row['planned32']:>16.3g} {row['planned64']:>16.3g} "
+              f"{row['planned32 vs plain32']:>22.3g}")
 
 
 def report(name: str, result: dict) -> None:
@@ -109,7 +171,10 @@ def main(argv=None) -> int:
     torch.use_deterministic_algorithms(True, warn_only=True)
     for run in args.runs:
         name, budget = run.split("@")
-        report(name, side_by_side(name, budget, args.steps))
+        if args.float64:
+            report_float64(name, against_float64(name, budget, args.steps, not args.no_one_node))
+        else:
+            report(name, side_by_side(name, budget, args.steps, not args.no_one_node))
     return 0
 
 

@@ -13,6 +13,8 @@ import detection_losses  # noqa: E402
     (["fasterrcnn_mobilenet_v3_large_fpn"], "each run is MODEL@BUDGET"),
     (["a@1GiB@2GiB"], "each run is MODEL@BUDGET"),
     (["fasterrcnn_mobilenet_v3_large_fpn@none", "--steps", "2"], "--steps must be at least 3"),
+    (["maskrcnn_resnet50_fpn@14GiB", "fasterrcnn_mobilenet_v3_large_fpn@none", "--float64"],
+     "give each run a budget, not none"),
 ])
 def test_bad_runs_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -25,6 +27,12 @@ def test_runs_name_a_model_and_a_budget():
     assert [run.split("@") for run in args.runs] == [["maskrcnn_resnet50_fpn", "14GiB"],
                                                     ["fasterrcnn_mobilenet_v3_large_fpn", "none"]]
     assert args.steps == 12 and args.pool_budget == "40GiB"
+    assert not args.no_one_node and not args.float64  # recomputation as one node, losses compared
+
+
+def test_the_float64_comparison_and_checkpoint_only_recomputation_are_asked_for_by_flag():
+    args = detection_losses.parse_args(["maskrcnn_resnet50_fpn@14GiB", "--float64", "--no-one-node", "--steps", "4"])
+    assert args.float64 and args.no_one_node and args.steps == 4
 
 
 def test_without_a_cuda_device_it_says_so(monkeypatch, capsys):
