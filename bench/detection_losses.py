@@ -20,7 +20,8 @@ feature pyramid. --no-one-node recomputes through torch.utils.checkpoint only. -
 whether the other order is any less right: for --steps steps on the same parameters (no optimizer
 steps), it compares the gradients of plain and planned training in float32 with those of plain
 training in float64 (the reference), and planned with plain training in float64, each as the
-largest difference over the model relative to the reference's largest gradient.
+largest difference over the model relative to the reference's largest gradient (the planned
+float64 copy's budget is twice BUDGET).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import um_alloc  # noqa: E402
+from um_alloc.sizes import positive_size_arg  # noqa: E402
 
 IMAGES, BOXES, CLASSES, HEIGHT, WIDTH = 4, 3, 5, 480, 640
 
@@ -55,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"each run is MODEL@BUDGET (a size, or none); got {', '.join(bad)}")
     if args.steps < 3:
         p.error(f"--steps must be at least 3 (two measure, then the plan runs); got {args.steps}")
+    for run in args.runs:
+        if not run.endswith("@none"):
+            try:
+                positive_size_arg(run.split("@")[1], f"the budget of {run}", "detection_losses.py")
+            except ValueError as error:
+                p.error(str(error))
     if args.float64 and any(run.endswith("@none") for run in args.runs):
         p.error("--float64 compares planned training with plain: give each run a budget, not none")
     return args
@@ -110,11 +118,13 @@ def side_by_side(name: str, budget: str, steps: int, one_node: bool) -> dict:
 
 def against_float64(name: str, budget: str, steps: int, one_node: bool) -> list[dict]:
     """Per step, each copy's largest gradient difference from plain float64 training's, relative
-    to the largest gradient of that reference; the parameters stay as built."""
+    to the largest gradient of that reference; the parameters stay as built. The planned float64
+    copy's budget is twice `budget`: its tensors are twice as large."""
     models = {which: build(name, torch.float64 if which.endswith("64") else torch.float32)[0]
               for which in ("plain64", "plain32", "planned32", "planned64")}
-    planners = [um_alloc.plan(models[which], budget=budget, one_node_recompute=one_node)
-                for which in ("planned32", "planned64")]
+    float32_budget = positive_size_arg(budget, "a run's budget", "detection_losses.py")
+    planners = [um_alloc.plan(models[which], budget=float32_budget * (2 if which.endswith("64") else 1),
+                              one_node_recompute=one_node) for which in ("planned32", "planned64")]
     generator = torch.Generator().manual_seed(1)
     rows = []
     try:

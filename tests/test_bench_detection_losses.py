@@ -13,6 +13,7 @@ import detection_losses  # noqa: E402
     (["fasterrcnn_mobilenet_v3_large_fpn"], "each run is MODEL@BUDGET"),
     (["a@1GiB@2GiB"], "each run is MODEL@BUDGET"),
     (["fasterrcnn_mobilenet_v3_large_fpn@none", "--steps", "2"], "--steps must be at least 3"),
+    (["maskrcnn_resnet50_fpn@14Gb"], "the budget of maskrcnn_resnet50_fpn@14Gb"),
     (["maskrcnn_resnet50_fpn@14GiB", "fasterrcnn_mobilenet_v3_large_fpn@none", "--float64"],
      "give each run a budget, not none"),
 ])
