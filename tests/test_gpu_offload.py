@@ -90,6 +90,27 @@ def test_a_copys_timing_leaves_out_the_wait_for_the_tensor_it_copies(cuda_device
     assert in_rate > link / 4, f"copies back timed at {in_rate / 1e9:.1f} GB/s, the link at {link / 1e9:.1f}"
 
 
+def test_the_wait_for_a_copy_back_that_backward_needs_at_once_is_timed_as_a_stall(cuda_device):
+    """The planner's base step leaves out what the measured step's GPU stood waiting for copies
+    back: a backward whose first need is a tensor in host memory waits about the copy's length."""
+    from um_alloc.offload import STAGE_BYTES, ActivationOffload
+    from um_alloc.planner.record import link_rate
+
+    budget = 1 << 40
+    offload = ActivationOffload(budget, margin=0, peak_fn=lambda: budget - STAGE_BYTES, staging=True)
+    weight = torch.randn(64 << 20, device="cuda", requires_grad=True)  # 256 MiB
+    offload.time_copies()
+    with offload.step():
+        saved = torch.randn(64 << 20, device="cuda")
+        (weight * saved).sum().backward()    # the mul's backward reads `saved` first thing
+    copied_s = (256 << 20) / link_rate(torch.device("cuda"))
+    offload.copy_rates()
+    stalled = offload.copy_stalls_s()
+    assert stalled is not None and stalled > copied_s / 4, \
+        f"stood {1e3 * stalled:.2f} ms for a copy of about {1e3 * copied_s:.2f} ms at the link's rate"
+    assert offload.copy_stalls_s() is None  # read once; untimed from here
+
+
 @pytest.mark.parametrize("staging", [False, True])
 def test_a_slice_of_a_larger_tensor_moves_in_its_own_order_and_backward_is_exact(cuda_device, staging):
     """A saved tensor that is not dense goes to pinned memory laid out as torch.clone lays it out

@@ -161,6 +161,7 @@ class ActivationOffload:
         self._spill_check = _SpillCheck.for_device(self.device)
         self._roots = RootRecorder(self._held_of, self.device.type) if rebuild else None
         self._copy_times: list | None = None  # (direction, start, end, bytes) while time_copies() asks
+        self._stalls: list | None = None      # (before, after) a wait for a copy back, while time_copies() asks
         self._verified: dict[int, tuple | None] = {}  # save index -> recipe signature that rebuilt equal
         self._steps = 0
         self._first_sizes: list[int] | None = None   # eligible sizes in save order, first step
@@ -354,7 +355,7 @@ class ActivationOffload:
             self.stats.on_demand += 1
             self._copy_in(packed)
         if self._cuda:
-            torch.cuda.current_stream(self.device).wait_event(packed.in_done)
+            self._wait_for(packed.in_done)
         tensor = packed.gpu
         packed.uses -= 1
         if packed.uses <= 0:  # autograd holds it from here; the next step reuses the memory
@@ -508,8 +509,31 @@ class ActivationOffload:
                 "on the GPU.")
 
     def time_copies(self) -> None:
-        """From now on, time each copy on its stream (two events each), until copy_rates()."""
+        """From now on, time each copy on its stream (two events each), until copy_rates(), and
+        each wait of the compute stream for a copy back, until copy_stalls_s()."""
         self._copy_times = []
+        self._stalls = []
+
+    def copy_stalls_s(self) -> float | None:
+        """Seconds the compute stream stood waiting for copies back since time_copies(): per wait,
+        from the stream reaching it to the copy's end, nothing where the copy was done first. None
+        where nothing was timed. Synchronizes."""
+        timed, self._stalls = self._stalls, None
+        if not timed:
+            return None
+        torch.cuda.synchronize(self.device)
+        return sum(before.elapsed_time(after) for before, after in timed) / 1e3
+
+    def _wait_for(self, copied: torch.cuda.Event) -> None:
+        """The compute stream waits for a copy back; timed between two events around the wait
+        while time_copies() asks: the span is the time the stream had nothing else to run."""
+        compute = torch.cuda.current_stream(self.device)
+        if self._stalls is None:
+            compute.wait_event(copied)
+            return
+        before = compute.record_event(torch.cuda.Event(enable_timing=True))
+        compute.wait_event(copied)
+        self._stalls.append((before, compute.record_event(torch.cuda.Event(enable_timing=True))))
 
     def copy_rates(self) -> tuple[float, float] | None:
         """Bytes per second out and back, over the copies since time_copies(): each direction's

@@ -415,6 +415,9 @@ class BlockPlanner:
         link = calibration_link(copied, recorder.overflowed_bytes, self._probed_link)
         names = [(u.name, u.kind) for u in self.units] + [(REST, "gap")]
         cal = recorder.calibration(names, recorder.marks[-1].clock, link, self._reserved)
+        stalls = self._runtime.transfers.copy_stalls_s() if self.device.type == "cuda" else None
+        if stalls:
+            cal = replace(cal, copy_stalls_s=stalls)
         if recorder.overflowed_bytes:  # it needed the budget, all backed, and that much more
             cal = cal.needing(self.budget + recorder.overflowed_bytes)
         shape.measured_overflow = recorder.overflowed_bytes
