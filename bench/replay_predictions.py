@@ -16,6 +16,8 @@ every model, budget and host a benchmark has measured, before a GPU runs it. Per
               decision's cost
   stock       stock's measured step at the same batch, where the record's file holds one: what
               a step that keeps everything took without a budget
+  stalled     what the measuring step's GPU stood waiting for copies back (Calibration.copy_stalls_s),
+              where the record's calibration timed it: part of what the base leaves out, or not
 
 Plans are priced as recorded: the decisions stay, so a change that would choose other decisions
 shows in the prices of these ones only. A run of inputs of changing shapes (`--lengths`) records
@@ -73,7 +75,8 @@ def replay(record: dict, stock_step_s: float | None = None) -> dict | None:
             "run_id": record.get("run_id"), "predicted_s": plan.predicted_step_s,
             "recorded_s": record["plan"].get("predicted_step_s"), "measured_s": measured,
             "error": plan.predicted_step_s / measured - 1 if measured else None,
-            "kept_s": cal.base_step_s(), "stock_s": stock_step_s, "one_input": not record.get("lengths")}
+            "kept_s": cal.base_step_s(), "stock_s": stock_step_s, "one_input": not record.get("lengths"),
+            "stalled_s": cal.copy_stalls_s or None}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -92,14 +95,14 @@ def _ms(seconds: float | None) -> str:
 
 def print_table(rows: list[dict], skipped: list[str]) -> None:
     head = f"{'file':<58}{'model':<14}{'batch':>6}{'predicted':>10}{'recorded':>9}{'measured':>9}{'error':>8}" \
-           f"{'kept':>8}{'stock':>8}"
+           f"{'kept':>8}{'stock':>8}{'stalled':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
         error = "" if r["error"] is None else f"{100 * r['error']:+.0f}%" + ("" if r["one_input"] else "*")
         print(f"{r['file'][-57:]:<58}{str(r['model'])[:13]:<14}{str(r['batch']):>6}{_ms(r['predicted_s']):>10}"
               f"{_ms(r['recorded_s']):>9}{_ms(r['measured_s']):>9}{error:>8}{_ms(r['kept_s']):>8}"
-              f"{_ms(r['stock_s']):>8}")
+              f"{_ms(r['stock_s']):>8}{_ms(r['stalled_s']):>8}")
     s = summary(rows)
     if s["median_abs_error"] is not None:
         print(f"\n{s['records']} records of one input shape: median |error| {100 * s['median_abs_error']:.1f}%, "

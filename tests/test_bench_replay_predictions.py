@@ -33,8 +33,20 @@ def test_a_recorded_plan_is_priced_today_against_its_measured_step_and_stocks(tm
     assert row["predicted_s"] == pytest.approx(today) and row["recorded_s"] == 0.5  # today's price, and then's
     assert row["error"] == pytest.approx(0.25) and row["stock_s"] == 0.09
     assert row["kept_s"] == pytest.approx(cal.base_step_s())
+    assert row["stalled_s"] is None  # the calibration timed no waits for copies back
     assert written["summary"]["within_15_percent"] == 0 and written["summary"]["predicted_too_slow"] == 1
     assert "1 records of one input shape: median |error| 25.0%" in capsys.readouterr().out
+
+
+def test_the_waits_for_copies_back_a_calibration_timed_are_shown_beside_its_base(tmp_path, capsys):
+    record = planner_record(measured_s=0.5)
+    record["calibration"]["copy_stalls_s"] = 0.0123
+    (tmp_path / "run.json").write_text(json.dumps([record]))
+    out = tmp_path / "replay.json"
+    assert replay_predictions.main([str(tmp_path), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["stalled_s"] == 0.0123 and row["kept_s"] == pytest.approx(transformer().base_step_s())
+    assert capsys.readouterr().out.splitlines()[2].endswith("    12.3")
 
 
 def test_runs_of_changing_shapes_are_marked_and_unreadable_calibrations_skipped(tmp_path, capsys):
