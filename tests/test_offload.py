@@ -445,3 +445,14 @@ def test_a_copy_to_the_host_reads_a_source_in_the_hosts_own_layout():
     assert source.stride() == host.stride() and torch.equal(source, part)
     dense = torch.randn(32, 48)
     assert _laid_out_as(dense, torch.empty_like(dense)) is dense  # the same layout: no copy
+
+
+def test_a_measuring_step_that_did_not_finish_leaves_no_copy_timed():
+    """The planner stops the timing of a measuring step that ran out of memory: the steps after it
+    record no events, and nothing of it is read as a rate or a stall."""
+    from um_alloc.offload import ActivationOffload
+
+    offload = ActivationOffload(min_bytes=0, device="cpu")
+    offload.time_copies()
+    offload.stop_timing()
+    assert offload.copy_rates() is None and offload.copy_stalls_s() is None

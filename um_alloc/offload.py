@@ -514,6 +514,10 @@ class ActivationOffload:
         self._copy_times = []
         self._stalls = []
 
+    def stop_timing(self) -> None:
+        """Times nothing more and forgets what was timed: a measuring step that did not finish."""
+        self._copy_times = self._stalls = None
+
     def copy_stalls_s(self) -> float | None:
         """Seconds the compute stream stood waiting for copies back since time_copies(): per wait,
         from the stream reaching it to the copy's end, nothing where the copy was done first. None

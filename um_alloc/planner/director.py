@@ -381,6 +381,8 @@ class BlockPlanner:
                          "accesses over the link", format_size(overflowed))
             return
         self._pending = None
+        if step.spec.recorder is not None:  # its copies' timings end with it, not in the steps after
+            self._runtime.transfers.stop_timing()
         ooms = self._probe.out_of_memory_count()
         if step.oom or ooms > self._ooms:
             self._ooms = ooms
