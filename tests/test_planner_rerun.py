@@ -547,3 +547,40 @@ def test_gradient_hooks_on_parameters_run_once_a_step():
     finally:
         runtime.detach()
     assert len(calls) - before == len(plain_calls) == 12  # four parameters in each of three blocks
+
+
+class Tapped(Stack):
+    """Each block's input also read by the head, as a detection model's feature pyramid reads a
+    backbone layer's output beside the next layer: its gradient has three shares, two from inside
+    the block (the residual and the norm) and one from outside."""
+
+    def forward(self, x):
+        h, taps = self.embed(x), 0.0
+        for block in self.blocks:
+            taps = taps + self.head(h)
+            h = block(h)
+        return (self.head(h) + taps).pow(2).mean()
+
+
+@pytest.mark.parametrize("one_node", [True, False], ids=["one_node", "checkpoint_only"])
+def test_a_block_input_read_outside_it_too_trains_as_plain_autograd_up_to_the_order_of_its_shares(one_node):
+    """As one node, the block's two shares are summed before they meet the third, an order plain
+    autograd need not take: equal up to float64's rounding. Through checkpoint only, the graph is
+    plain autograd's and so is every bit."""
+    model = Tapped().double()
+    plain = gradients(copy.deepcopy(model), batch())
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)), 1 << 20,
+                      min_bytes=1, one_node_recompute=one_node)
+    runtime.attach()
+    try:
+        assert equal(gradients(model, batch()), plain)  # the first step runs through checkpoint
+        second = gradients(model, batch())
+        assert block_reruns(runtime) == [one_node] * 3
+        if one_node:
+            assert torch.allclose(second[0], plain[0], rtol=1e-12, atol=0)
+            assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(second[1], plain[1]))
+        else:
+            assert equal(second, plain)
+    finally:
+        runtime.detach()
