@@ -131,16 +131,19 @@ def against_float64(name: str, budget: str, steps: int, one_node: bool) -> list[
         for step in range(steps):
             images, targets = batch(generator, masks="mask" in name)
             grads = {which: _gradients(model, images, targets, step) for which, model in models.items()}
-            reference = grads["plain64"]
-            largest = max(g.abs().max() for g in reference.values())
-            rows.append({which: float(max((g - reference[n]).abs().max() for n, g in grads[which].items()) / largest)
-                         for which in ("plain32", "planned32", "planned64")}
-                        | {"planned32 vs plain32": float(max((g - grads["plain32"][n]).abs().max()
-                                                             for n, g in grads["planned32"].items()) / largest)})
+            scale = max(float(g.abs().max()) for g in grads["plain64"].values())
+            row = {which: _largest_difference(grads[which], grads["plain64"]) / scale
+                   for which in ("plain32", "planned32", "planned64")}
+            row["planned32 vs plain32"] = _largest_difference(grads["planned32"], grads["plain32"]) / scale
+            rows.append(row)
         return rows
     finally:
         for planner in planners:
             planner.remove()
+
+
+def _largest_difference(grads: dict, reference: dict) -> float:
+    return max(float((g - reference[name]).abs().max()) for name, g in grads.items())
 
 
 def _gradients(model, images: list, targets: list, step: int) -> dict:
