@@ -110,6 +110,7 @@ def save_on_cpu_run(model: str, args, budget: int) -> tuple[dict | None, str, st
 
 
 NO_BLOCKS = (None, "no blocks", "the model has no blocks to checkpoint")
+PEERS = ("checkpointing", "frontier", "save_on_cpu")  # the methods the planner is set against
 
 
 def launched_run(name: str, model: str, args, *extra: str, budget: int | None = None,
@@ -211,10 +212,10 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
                record(*pooled(runs["save_on_cpu"]), method="save_on_cpu", **common),
                planner_record(pooled(runs["planner"]), "planner", **common)]
     records += [planner_record(pooled(runs[method]), method, **common) for method in variants]
-    peers = [r["samples_per_s"] for r in records[:3] if r["samples_per_s"]]
+    peers = [r["samples_per_s"] for r in records if r["method"] in PEERS and r["samples_per_s"]]
     for r in records:
         r["ratio_vs_fastest_peer"] = ratio(r["samples_per_s"], max(peers) if peers else None)
-    planned = records[3]  # the planner's
+    planned = next(r for r in records if r["method"] == "planner")
     if planned["highwater_bytes"] is not None:
         planned["highwater_within_budget_plus_1GiB"] = planned["highwater_bytes"] <= budget + GiB
     return records
