@@ -68,6 +68,12 @@ def test_blocks_held_as_attributes_and_layers_planned_as_gaps_give_plain_trainin
     assert sequential["moved_out_bytes"] > 0 and sequential["planned"] == sequential["plain"]
 
 
+def test_layers_rerun_as_one_chain_give_plain_trainings_losses(cuda_device):
+    result = _check("chain")
+    assert result["plan"] == {"recompute": 1, "chained": result["gaps"] - 1, "keep": 1}
+    assert result["planned"] == result["plain"]  # BatchNorm counted once, the dropout's masks drawn again
+
+
 def test_inputs_of_changing_length_borrow_plans_and_give_plain_trainings_losses(cuda_device):
     result = _check("lengths")
     assert result["planned"] == result["plain"]

@@ -252,9 +252,10 @@ def layers_in_sequentials() -> torch.nn.Module:
                          nn.Flatten(), nn.Linear(64 * 16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
 
 
-def image_losses(build, moved_from: int | None = None) -> dict:
+def image_losses(build, moved_from: int | None = None, chained_from: int | None = None) -> dict:
     """Plain and planned training of `build()` on the same six batches of 64x64 images; with
-    `moved_from`, every unit forced to move from that step on."""
+    `moved_from`, every unit forced to move from that step on; with `chained_from`, every unit
+    rerun in backward as one chain from the first one's input (chain.py)."""
     models = {}
     for name in ("plain", "planned"):
         torch.manual_seed(0)
@@ -267,6 +268,8 @@ def image_losses(build, moved_from: int | None = None) -> dict:
     for i in range(6):
         if i == moved_from:
             planner.force(["move"] * (len(planner.units) + 1))
+        if i == chained_from:
+            planner.force(["recompute"] + ["chained"] * (len(planner.units) - 1) + ["keep"])
         images = torch.randn(16, 3, 64, 64, generator=data).cuda()
         for name, (model, optimizer) in models.items():
             torch.manual_seed(i)
@@ -283,6 +286,12 @@ def image_losses(build, moved_from: int | None = None) -> dict:
 
 def attributes() -> dict:
     return {"unet": image_losses(UNet), "sequential": image_losses(layers_in_sequentials, moved_from=3)}
+
+
+def chain() -> dict:
+    """A VGG's layers, gaps, rerun in backward as one chain from the fourth step on (BatchNorm,
+    in-place ReLUs, a dropout of 0.1, bf16 autocast)."""
+    return image_losses(layers_in_sequentials, chained_from=3)
 
 
 def rebuild() -> dict:
@@ -575,7 +584,8 @@ def large_batch() -> dict:
 
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
-         "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty, "attributes": attributes}
+         "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty, "attributes": attributes,
+         "chain": chain}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit

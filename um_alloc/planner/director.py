@@ -65,8 +65,8 @@ from ..floor import HOST_OPTIMIZER_HINT
 from ..sizes import format_size
 from ..wrappers import unwrap_model
 from .blocks import Unit, find_units
-from .planning import (BLOCK_DECISIONS, SAFE, Calibration, Decision, Plan, PlanInfeasible, calibration_to_dict,
-                       checkpointing_plan, evaluate, make_plan, pool_repeats)
+from .planning import (BLOCK_DECISIONS, SAFE, Calibration, Decision, Plan, PlanInfeasible, UnitCost,
+                       calibration_to_dict, checkpointing_plan, evaluate, make_plan, pool_repeats)
 from .record import MemoryProbe, StepRecorder, link_rate
 from .replay import Runtime, Step, StepSpec, input_signature
 from .trials import PlanTrials, runners_up
@@ -77,7 +77,7 @@ log = logging.getLogger("um_alloc.planner")
 
 REST = "(outside the units)"         # what the model's forward saves outside every unit: its loss
 STRATEGIES = ("auto", "checkpoint")
-DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved")  # auto: this planner; checkpoint: every block recomputed
+DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved", "chained")  # auto: this planner; checkpoint: every block recomputed
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
 BORROWED_STEPS = 16                  # steps an input runs a larger input's plan before it is measured itself
 PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOVED})  # need the first step's probes
@@ -139,7 +139,7 @@ class BlockPlanner:
             that is a large share of a small budget is what keeps the safe mode from fitting.
         hide_fraction: share of the link's time under compute that moves may take (default 0.7).
         decisions: the decisions the plan may use (default DEFAULT_DECISIONS: keep, rebuild,
-            move, recompute, recompute_moved). "selective" and "selective_moved" (PyTorch's selective
+            move, recompute, recompute_moved, chained). "selective" and "selective_moved" (PyTorch's selective
             checkpointing: keep matmul and attention outputs, recompute the rest) save GPU time but
             run every op through a Python dispatch mode, twice, which costs more CPU time than
             many hosts can hide; ask for them where the GPU, not the CPU, sets the pace.
@@ -425,7 +425,7 @@ class BlockPlanner:
         shape.measured_overflow = recorder.overflowed_bytes
         shape.calibrated += 1
         if probed:
-            shape.first = {j: {name: getattr(u, name) for name in _FIRST_STEP_FIGURES} for j, u in enumerate(cal.units)}
+            shape.first = {j: {name: getattr(u, name) for name in _first_step_figures(u)} for j, u in enumerate(cal.units)}
             shape.recipes = recorder.recipes()
             shape.probed_inputs = _input_shapes(recorder)
             if following is shape:
@@ -735,6 +735,12 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
 # and the bytes of everything else come from the second.
 _FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s",
                        "rebuild_forward_cpu_s")
+# A gap's rerun, which only the probed step times (chain.py): the safe step moves gaps.
+_FIRST_STEP_GAP_FIGURES = ("recompute_s", "recompute_cpu_s", "input_bytes")
+
+
+def _first_step_figures(unit: UnitCost) -> tuple[str, ...]:
+    return _FIRST_STEP_FIGURES + (_FIRST_STEP_GAP_FIGURES if unit.kind == "gap" else ())
 
 
 def _lighter_hint() -> str:
@@ -795,7 +801,12 @@ def _forced(decisions, units) -> tuple[Decision, ...]:
     if isinstance(decisions, str) or not isinstance(decisions, (list, tuple)) or len(decisions) != len(units):
         raise _at("force").error(f"not a list of {len(units)} decisions (one a unit and one for what is saved "
                                  "outside them), nor one decision for every block", received=decisions)
-    return tuple(_decision(d, u.allowed()) for d, u in zip(decisions, units))
+    forced = tuple(_decision(d, u.allowed()) for d, u in zip(decisions, units))
+    for j, d in enumerate(forced):
+        if d is Decision.CHAINED and (j == 0 or not forced[j - 1].leads_chain):
+            raise _at("force").error(f"{units[j].name} chained after a unit that is not rerun (chained needs the unit "
+                                     "before it recomputed or chained)", received=forced[j - 1].value if j else None)
+    return forced
 
 
 def _block_classes(names) -> list[str] | None:

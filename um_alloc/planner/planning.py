@@ -48,19 +48,29 @@ class Decision(str, enum.Enum):
     SELECTIVE_MOVED = "selective_moved"    # the same, its inputs in host memory
     RECOMPUTE = "recompute"                # keep only its inputs, rerun its forward in backward
     RECOMPUTE_MOVED = "recompute_moved"    # the same, its inputs in host memory
+    CHAINED = "chained"                    # hold nothing: rerun from the rerun of the unit before it
 
     @property
     def recomputes(self) -> bool:
         return self in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED, Decision.RECOMPUTE,
-                        Decision.RECOMPUTE_MOVED)
+                        Decision.RECOMPUTE_MOVED, Decision.CHAINED)
+
+    @property
+    def leads_chain(self) -> bool:
+        """Whether the unit after one with this decision may be rerun from its rerun (chained)."""
+        return self in CHAIN_LINKS
 
     @property
     def moves_inputs(self) -> bool:
         return self in (Decision.SELECTIVE_MOVED, Decision.RECOMPUTE_MOVED)
 
 
+CHAIN_LINKS = frozenset({Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED, Decision.CHAINED})
 BLOCK_DECISIONS = tuple(Decision)
-GAP_DECISIONS = (Decision.KEEP, Decision.MOVE)  # a gap is not in a container the plan can rerun
+# A gap's calls are the model's own, not a container's the plan could rerun; one whose rerun the
+# probed step timed (a layer of a chain: chain.py) may rerun alone or in its chain.
+GAP_DECISIONS = (Decision.KEEP, Decision.MOVE)
+GAP_RERUNS = (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED, Decision.CHAINED)
 SAFE = {"block": Decision.RECOMPUTE_MOVED, "gap": Decision.MOVE}
 BUDGET_GRAIN = 256 << 20  # a budget to ask for, in the infeasible plan's message: one a user writes
 # The forward a plan's copies out hide under: none. Measured plans that moved anything in forward
@@ -90,6 +100,8 @@ class UnitCost:
     rebuild_s: float = 0.0       # the GPU's time to rebuild it (its kernels, timed with the GPU busy)
     rebuild_cpu_s: float = 0.0   # the host's
     rebuild_forward_cpu_s: float = 0.0  # the host's time, in forward, of finding what to rebuild
+    follows: bool = False        # each call's one argument was the output of the unit before it (chain.py)
+    changes_input: bool = False  # its forward changed its argument in place (an in-place ReLU)
 
     @property
     def backward_reaches(self) -> bool:
@@ -102,14 +114,16 @@ class UnitCost:
         """Bytes this unit holds on the GPU from its forward to its backward."""
         if not self.backward_reaches:
             return 0
+        held = self._held_input_bytes()
         return {
-            Decision.KEEP: self.saved_bytes + self.input_bytes,
-            Decision.REBUILD: self.saved_bytes - self.rebuildable_bytes + self.input_bytes,
+            Decision.KEEP: self.saved_bytes + held,
+            Decision.REBUILD: self.saved_bytes - self.rebuildable_bytes + held,
             Decision.MOVE: 0,
             Decision.SELECTIVE: self.selective_bytes + self.input_bytes,
             Decision.SELECTIVE_MOVED: self.selective_bytes,
             Decision.RECOMPUTE: self.input_bytes,
             Decision.RECOMPUTE_MOVED: 0,
+            Decision.CHAINED: 0,
         }[decision]
 
     def moved(self, decision: Decision) -> int:
@@ -117,8 +131,13 @@ class UnitCost:
         if not self.backward_reaches:
             return 0
         if decision is Decision.MOVE:
-            return self.saved_bytes + self.input_bytes
+            return self.saved_bytes + self._held_input_bytes()
         return self.input_bytes if decision.moves_inputs else 0
+
+    def _held_input_bytes(self) -> int:
+        """The inputs a kept or moved unit holds besides what it saves: a block's, which a plan
+        counts as its own; a gap's, whose inputs are the unit before's output, none."""
+        return self.input_bytes if self.kind == "block" else 0
 
     def cost_s(self, decision: Decision, rate: float = math.inf, hide_scale: float = 1.0,
                lead_s: float = math.inf) -> float:
@@ -133,7 +152,7 @@ class UnitCost:
         around = hide_scale * self.hide_s
         moving = moved * 1e-15 + max(link - around, 0.0) + max(link - min(lead_s, around), 0.0)
         gpu = min(self.forward_s, self.recompute_s)
-        if decision in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED):
+        if decision in CHAIN_LINKS:
             return self.rerun_s(gpu) + moving
         if decision in (Decision.SELECTIVE, Decision.SELECTIVE_MOVED):
             # The GPU skips the kept ops; the host still issues every op (through a dispatch mode).
@@ -171,7 +190,16 @@ class UnitCost:
         return both - max(self.backward_cpu_s, self.backward_s)
 
     def allowed(self) -> tuple[Decision, ...]:
-        return BLOCK_DECISIONS if self.kind == "block" else GAP_DECISIONS
+        """A block's decisions, or a gap's: keep or move, and rerun where the probed step timed
+        its rerun. Chained only where its calls follow the unit before it (which a plan must then
+        rerun too)."""
+        if self.kind == "block":
+            found = BLOCK_DECISIONS
+        elif self.recompute_s <= 0:
+            found = GAP_DECISIONS
+        else:  # one that changes its argument in place would change its rerun's: it may only be chained
+            found = GAP_DECISIONS + (GAP_RERUNS if not self.changes_input else (Decision.CHAINED,))
+        return found if self.follows else tuple(d for d in found if d is not Decision.CHAINED)
 
     def worth_planning(self) -> tuple[Decision, ...]:
         """The decisions a plan chooses from: a unit backward never reaches runs as it is."""
@@ -187,6 +215,7 @@ class Segment:
     seconds: float = 0.0         # on the GPU's clock
     cpu_seconds: float = 0.0     # on the host's
     ahead_bytes: int = 0         # of peak_bytes, copies back ahead of use, at least, all through it
+    in_backward: bool = False    # it lies after backward began
 
     def relief(self, moved_held: float) -> float:
         """What a plan that moves `moved_held` bytes of the units this segment holds has fewer on
@@ -366,13 +395,20 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
             f"budget that fits is {format_size(smallest)}: "
             f"ask for {size_text(_round_up(smallest, BUDGET_GRAIN))} or more", smallest)
     scale = cal.hide_scale()
-    options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, scale, COPY_OUT_LEAD_S) for u in cal.units]
     link_room = _link_room(cal, hide_fraction)
     lowest = min((s.peak_bytes - s.ahead_bytes for s in cal.segments), default=0)  # where a prefix has the most room
     grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
-    choice = _cheapest(cal, options, limit, grid)
-    decisions = tuple(options[j][i][0] for j, i in enumerate(choice))
-    return replace(_evaluate(cal, decisions, budget_bytes, limit, link_room), made="the model's fastest")
+    unchained: set[int] = set()  # units whose chained rerun put a chain's backward over the limit
+    while True:
+        options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, scale, COPY_OUT_LEAD_S,
+                            chained=j not in unchained) for j, u in enumerate(cal.units)]
+        choice = _cheapest(cal, options, limit, grid)
+        decisions = tuple(options[j][i][0] for j, i in enumerate(choice))
+        plan = _evaluate(cal, decisions, budget_bytes, limit, link_room)
+        over = _chains_over(cal, decisions, limit)
+        if not over:
+            return replace(plan, made="the model's fastest")
+        unchained |= over  # each round, every chain too large is one unit shorter
 
 
 def evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, *,
@@ -411,16 +447,65 @@ def checkpointing_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int
 
 def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, limit: int,
               link_room: int) -> Plan:
-    safe = [u.retained(SAFE[u.kind]) for u in cal.units]
-    delta = [u.retained(d) - s for u, d, s in zip(cal.units, decisions, safe)]
-    moves = [u.moved(d) for u, d in zip(cal.units, decisions)]
-    peak = max((s.peak_bytes - s.relief(sum(moves[j] for j in s.held)) + sum(delta[j] for j in s.held)
-                for s in cal.segments), default=0)
-    moved = sum(moves)
+    reruns = chains(decisions)
+    peak = max((held + _rerun_together(cal, s, reruns)
+                for s, held in zip(cal.segments, _segment_bytes(cal, decisions))), default=0)
+    moved = sum(u.moved(d) for u, d in zip(cal.units, decisions))
     rate, scale = cal.link_bytes_per_s, cal.hide_scale()
     costs = tuple(u.cost_s(d, rate, scale, COPY_OUT_LEAD_S) for u, d in zip(cal.units, decisions))
     step = cal.base_step_s() + sum(costs) + _stall_s(moved, link_room, cal.link_bytes_per_s)
     return Plan(decisions, cal.units, budget_bytes, limit, step, peak, moved, costs)
+
+
+def _segment_bytes(cal: Calibration, decisions: tuple[Decision, ...]) -> list[int]:
+    """Per segment, what it holds under `decisions`, chains' reruns aside: its peak in the safe
+    step, less the copies back a plan that moves less does not have, plus what the decisions
+    keep over the safe mode's of the units it holds."""
+    safe = [u.retained(SAFE[u.kind]) for u in cal.units]
+    delta = [u.retained(d) - s for u, d, s in zip(cal.units, decisions, safe)]
+    moves = [u.moved(d) for u, d in zip(cal.units, decisions)]
+    return [s.peak_bytes - s.relief(sum(moves[j] for j in s.held)) + sum(delta[j] for j in s.held)
+            for s in cal.segments]
+
+
+def chains(decisions: tuple[Decision, ...]) -> list[tuple[int, int]]:
+    """(first, last) of each run of two or more units rerun one from another: a unit that reruns
+    from its inputs, and the chained units after it."""
+    found, first = [], None
+    for j, d in enumerate(decisions):
+        if d is Decision.CHAINED and first is not None:
+            continue
+        if first is not None and j - 1 > first:
+            found.append((first, j - 1))
+        first = j if d in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED) else None
+    if first is not None and len(decisions) - 1 > first:
+        found.append((first, len(decisions) - 1))
+    return found
+
+
+def _rerun_together(cal: Calibration, segment: Segment, reruns: list[tuple[int, int]]) -> int:
+    """What a segment holds of chains rerun at once. A chain reruns whole when backward reaches its
+    last unit, and each unit's saved tensors stay until its own backward: from there until
+    backward reaches the first, a segment holds those of the units whose backward is still to
+    come, besides what the safe step held (the last unit's own, recomputed or copied back)."""
+    if not segment.in_backward:
+        return 0
+    held = set(segment.held)
+    return sum(cal.units[j].saved_bytes for first, last in reruns
+               if last not in held and first in held for j in range(first, last) if j in held)
+
+
+def _chains_over(cal: Calibration, decisions: tuple[Decision, ...], limit: int) -> set[int]:
+    """The last unit of each chain whose rerun takes part in a segment past `limit`."""
+    reruns = chains(decisions)
+    over: set[int] = set()
+    if not reruns:
+        return over
+    for s, held in zip(cal.segments, _segment_bytes(cal, decisions)):
+        parts = [(last, _rerun_together(cal, s, [(first, last)])) for first, last in reruns]
+        if held + sum(b for _, b in parts) > limit:
+            over |= {last for last, b in parts if b > 0}
+    return over
 
 
 def _round_up(n: int, grain: int) -> int:
@@ -432,16 +517,19 @@ def _stall_s(moved: int, link_room: int, rate: float) -> float:
     return 2 * max(moved - link_room, 0) / rate if rate > 0 else 0.0
 
 
-def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: float, lead_s: float
-             ) -> list[tuple[Decision, int, int, float]]:
+def _options(unit: UnitCost, allowed, hide_fraction: float, rate: float, scale: float, lead_s: float,
+             chained: bool = True) -> list[tuple[Decision, int, int, float]]:
     """(decision, bytes added over the safe mode, bytes moved, seconds added) for each choice that
     is allowed and whose moves the link can hide behind the compute around this unit. The safe
-    choice is always there: it is what calibration ran, so it keeps the budget whatever it costs."""
+    choice is always there: it is what calibration ran, so it keeps the budget whatever it costs.
+    `chained`: whether the chained rerun is among them."""
     safe_decision = SAFE[unit.kind]
     safe = unit.retained(safe_decision)
     out = []
     for d in unit.worth_planning():
         if allowed is not None and d not in allowed and d is not safe_decision:
+            continue
+        if d is Decision.CHAINED and not chained:
             continue
         if d is not safe_decision and unit.moved(d) > hide_fraction * rate * scale * unit.hide_s:
             continue
@@ -501,42 +589,49 @@ def _cheapest(cal: Calibration, options, limit: int, grid: _Grid) -> list[int]:
 
     A prefix's added bytes are bounded by every segment whose held units all lie in that prefix
     (conservative for a segment that holds fewer of them). Moves beyond what hides cost the wait
-    for the link, added at the end from the bytes moved.
+    for the link, added at the end from the bytes moved. A chained rerun needs the unit before
+    it rerun too: the state also says whether the last unit's decision reruns (CHAIN_LINKS).
     """
     rows, cols = grid.rows(options), grid.cols(options)
     caps = _caps(cal, limit, len(options), np.arange(cols, dtype=np.float64) * grid.link_unit)
     row_index = np.arange(rows)[:, None]
-    cost = np.full((rows, cols), np.inf)
-    cost[0, 0] = 0.0 if caps[0, 0] >= 0 else np.inf
+    states = 2 if any(o[0] is Decision.CHAINED for opts in options for o in opts) else 1
+    cost = np.full((states, rows, cols), np.inf)
+    cost[0, 0, 0] = 0.0 if caps[0, 0] >= 0 else np.inf
     picks = []
     for k, opts in enumerate(options):
-        best = np.full((rows, cols), np.inf)
-        pick = np.full((rows, cols), -1, dtype=np.int16)
-        for i, (_, added, moved, seconds) in enumerate(opts):
+        best = np.full((states, rows, cols), np.inf)
+        pick = np.full((states, rows, cols), -1, dtype=np.int16)
+        came = np.zeros((states, rows, cols), dtype=np.int8)  # the state it came from
+        for i, (decision, added, moved, seconds) in enumerate(opts):
             a, m = -(-added // grid.unit), -(-moved // grid.link_unit)
             if a >= rows or m >= cols:
                 continue
-            shifted = np.full((rows, cols), np.inf)
-            shifted[a:, m:] = cost[:rows - a, :cols - m] + seconds
-            better = shifted < best
-            best[better], pick[better] = shifted[better], i
-        best[row_index > np.floor(caps[k + 1] / grid.unit)[None, :]] = np.inf
+            to = int(decision.leads_chain) if states == 2 else 0
+            for since in ((1,) if decision is Decision.CHAINED else range(states)):
+                shifted = np.full((rows, cols), np.inf)
+                shifted[a:, m:] = cost[since, :rows - a, :cols - m] + seconds
+                better = shifted < best[to]
+                best[to][better], pick[to][better], came[to][better] = shifted[better], i, since
+        best[:, row_index > np.floor(caps[k + 1] / grid.unit)[None, :]] = np.inf
         cost = best
-        picks.append(pick)
-    total = cost + grid.stall_s(cols)[None, :]
+        picks.append((pick, came))
+    total = cost + grid.stall_s(cols)[None, None, :]
     if not np.isfinite(total).any():
         raise PlanInfeasible("no plan fits: at some point of the step the measured peak leaves no room for "
                              "what that point holds", cal.smallest_budget(0))
-    r, c = np.unravel_index(np.argmin(total), total.shape)
-    return _backtrack(options, picks, int(r), int(c), grid.unit, grid.link_unit)
+    f, r, c = np.unravel_index(np.argmin(total), total.shape)
+    return _backtrack(options, picks, int(f), int(r), int(c), grid.unit, grid.link_unit)
 
 
-def _backtrack(options, picks, r, c, unit_bytes, link_unit_bytes) -> list[int]:
+def _backtrack(options, picks, f, r, c, unit_bytes, link_unit_bytes) -> list[int]:
     chosen = []
     for k in range(len(options) - 1, -1, -1):
-        i = int(picks[k][r, c])
+        pick, came = picks[k]
+        i = int(pick[f, r, c])
         chosen.append(i)
         _, added, moved, _ = options[k][i]
+        f = int(came[f, r, c])
         r -= -(-added // unit_bytes)
         c -= -(-moved // link_unit_bytes)
     return chosen[::-1]

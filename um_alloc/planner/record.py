@@ -10,6 +10,8 @@ time under which each unit's copies can hide.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +114,9 @@ class _UnitSeen:
     selective_bytes: int = 0
     matmul_s: float = 0.0
     rebuilt: RebuildProbe | None = None  # what its recomputations found backward could rebuild
+    links: list[bool] = field(default_factory=list)  # per call: did it take the unit before's output (chain.py)
+    changes_input: bool = False   # a call changed its argument in place
+    reruns: list[tuple] = field(default_factory=list)  # (start, end, host seconds) of reruns timed alone
 
 
 class StepRecorder:
@@ -160,6 +165,16 @@ class StepRecorder:
             self._ops.append((unit, start, self._clock()))
         return done
 
+    @contextlib.contextmanager
+    def rerun_alone(self, unit: int, input_bytes: int):
+        """A unit's forward run again by itself, timed: what rerunning a gap costs, which the safe
+        step (where gaps move) never does. `input_bytes`: what recomputing it would keep."""
+        seen = self.units[unit]
+        start, cpu = self._clock(), time.perf_counter()
+        yield
+        seen.reruns.append((start, self._clock(), time.perf_counter() - cpu))
+        seen.input_bytes = max(seen.input_bytes, input_bytes)
+
     def rebuild_probe(self, unit: int, min_bytes: int) -> RebuildProbe:
         """The probe of what `unit` saves that backward could rebuild (one for all its calls)."""
         seen = self.units[unit]
@@ -197,12 +212,17 @@ class StepRecorder:
                 seen.recompute_cpu_s += cpu
         for unit, start, end in self._ops:
             self.units[unit].matmul_s += self._seconds(start, end)
+        for seen in self.units:
+            for start, end, cpu in seen.reruns:
+                seen.recompute_s += self._seconds(start, end)
+                seen.recompute_cpu_s += cpu
         self._time_backwards()
         hide = self._hide_times()
         units = tuple(UnitCost(name, kind, s.forward_s, s.recompute_s, s.matmul_s,
                                s.rebuilt_bytes if kind == "block" else s.moved_bytes,
                                s.selective_bytes, s.input_bytes, hide[j], s.forward_cpu_s, s.recompute_cpu_s,
-                               s.backward_s, s.backward_cpu_s, **self._rebuild_figures(s))
+                               s.backward_s, s.backward_cpu_s, **self._rebuild_figures(s),
+                               follows=bool(s.links) and all(s.links), changes_input=s.changes_input)
                       for j, ((name, kind), s) in enumerate(zip(names, self.units)))
         live_peak = max((m.peak for m in self.marks), default=0)
         return Calibration(units, self._segments(), self._seconds(self.marks[0].clock, next_start),
@@ -255,13 +275,15 @@ class StepRecorder:
         for j, seen in enumerate(self.units):
             if seen.posts:
                 spans.append((j, seen.posts[0], max(seen.backwards) if seen.backwards else len(self.marks)))
+        backward = next((k for k, m in enumerate(self.marks) if m.label in ("backward", "backward start")),
+                        len(self.marks))
         out = []
         for k in range(1, len(self.marks)):
             held = tuple(j for j, first, last in spans if first <= k - 1 and last >= k)
             label = f"{self._name(k - 1)} -> {self._name(k)}"
             before, after = self.marks[k - 1], self.marks[k]
             out.append(Segment(label, after.peak, held, self._seconds(before.clock, after.clock), after.cpu - before.cpu,
-                               after.ahead))
+                               after.ahead, in_backward=k - 1 >= backward))
         return tuple(out)
 
     def _name(self, k: int) -> str:

@@ -61,6 +61,7 @@ from ..rebuild import as_saved, broadcast
 from ..tensor_trees import is_dtensor, tensors as _tensors
 from .arenas import StepArenas
 from .blocks import Unit
+from .chain import RerunChain
 from .lean_loss import LeanLoss
 from .planning import Decision
 from .record import StepRecorder
@@ -215,6 +216,13 @@ class Runtime:
         # through torch.utils.checkpoint, whose graph reaches back through them (one node's cannot).
         self.second_derivatives = False
         self._unplanned_noted = False         # whether a block was seen training outside every step
+        self._chain: RerunChain | None = None  # the chain the last unit's call ran in, open to the next
+        self._unchained_noted = False         # whether a chained unit was seen not to follow its chain
+        # In a measuring step, the last unit's call: (unit, its output, that output's version), to
+        # see which calls take the unit before's output (chain.py); and in a probed step its forward
+        # and arguments, to time a rerun of it alone once a call takes its output.
+        self._last_out: tuple | None = None
+        self._last_call: tuple | None = None
         self._reparametrized_noted = False    # whether a unit was seen running with parameters swapped in
 
     # -- attaching --
@@ -277,6 +285,7 @@ class Runtime:
         self._step = self._open = Step(spec, self.transfers, moves)
         self.transfers.begin_step()
         self._where = self.rest
+        self._forget_calls()
         self._step.mark("forward start")
         self._outside_units(True)
 
@@ -307,6 +316,7 @@ class Runtime:
         step = self._step = self._open
         step.forwards += 1
         self._where = self.rest
+        self._forget_calls()
         step.mark("forward start")
         self._outside_units(True)
 
@@ -317,6 +327,7 @@ class Runtime:
         step, self._step = self._step, None
         if step is None:
             return
+        self._forget_calls()
         if output is None and sys.exc_info()[1] is not None:
             # Forward raised (an out-of-memory error at the loss): no backward will come. Let go of
             # the step now, so that a loop that runs it again has the room it had.
@@ -401,8 +412,11 @@ class Runtime:
             return forward(*args, **kwargs)
         decision = step.spec.decisions[index]
         self._outside_units(False)
+        chain, self._chain = self._chain, None
+        follows = self._note_link(step, index, args, kwargs) if step.spec.recorder else False
         start = step.mark("pre", index)
         outer, self._where = self._where, index
+        versions = [a._version for a in args if isinstance(a, torch.Tensor)]
         try:
             if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
@@ -416,6 +430,8 @@ class Runtime:
                     out = forward(*args, **kwargs)
             elif self._reparametrized(index):
                 out = forward(*args, **kwargs)  # kept: a rerun in backward would read the unit's own parameters
+            elif self._in_chain(step, index, decision):
+                out = self._chained(step, index, decision, chain, forward, args, kwargs)
             else:
                 out = self._recomputed(step, index, decision, forward, args, kwargs)
         except torch.OutOfMemoryError:
@@ -423,7 +439,11 @@ class Runtime:
             raise
         finally:
             self._where = outer
+            if chain is not None and chain is not self._chain:
+                chain.close()
         end = step.mark("post", index)
+        if step.spec.recorder:
+            self._after_call(step, index, forward, args, out, follows, versions)
         self._outside_units(outer == self.rest)
         if step.spec.recorder:
             step.spec.recorder.pair("forward", index, start, end)
@@ -476,6 +496,110 @@ class Runtime:
         for context in entered:
             context.__enter__()
         self._outside = entered
+
+    def _in_chain(self, step: Step, index: int, decision: Decision) -> bool:
+        """Whether this call runs in a chain (chain.py): chained, or the first of one (a gap that
+        reruns, or a unit that reruns from its inputs with a chained unit after it)."""
+        if decision is Decision.CHAINED:
+            return True
+        if decision not in (Decision.RECOMPUTE, Decision.RECOMPUTE_MOVED):
+            return False
+        return self.units[index].kind == "gap" or step.spec.decisions[index + 1] is Decision.CHAINED
+
+    def _chained(self, step: Step, index: int, decision: Decision, chain: RerunChain | None, forward, args, kwargs):
+        """The call in a chain: the first, whose inputs the chain holds (or moves), or one that
+        continues the chain the last call ran in. A chained call that does not (another argument
+        than that call's output, or it changed in place since) keeps what it saves."""
+        unit = self.units[index]
+        buffers = _BuffersBefore(self._buffers[index])
+        if decision is Decision.CHAINED:
+            if chain is None or not chain.continues_with(index, args, kwargs):
+                self._note_unchained(index)
+                return forward(*args, **kwargs)
+            out = chain.call(index, unit.name, forward, args, kwargs,
+                             functools.partial(self._rerunning_in_chain, buffers, None))
+            self._chain = chain
+            return out
+        parked: list[_Parked] = []
+        held = ([self._park(_as_called(a), parked) for a in args],
+                {k: self._park(_as_called(v), parked) for k, v in kwargs.items()})
+        inputs = _Unchanged(unit.name, (args, kwargs))
+        chain = RerunChain(self.device, held, _unpark)
+        out = chain.call(index, unit.name, forward, args, kwargs,
+                         functools.partial(self._rerunning_in_chain, buffers, inputs))
+        inputs.check("by its own forward", "it cannot be recomputed; leave 'recompute' out of the planner's decisions")
+        if decision.moves_inputs:
+            inputs.forget([p.tensor for p in parked])  # the rerun reads their copies, taken now
+            for slot in parked:
+                slot.move_out(self.transfers)
+        self._chain = chain
+        return out
+
+    @contextlib.contextmanager
+    def _rerunning_in_chain(self, buffers: "_BuffersBefore", inputs: "_Unchanged | None"):
+        """Around a chain's rerun of one unit: the first unit's inputs as its forward found them,
+        and each unit's buffers as its forward found them (_recomputing's, without the recorder)."""
+        if inputs is not None:
+            inputs.check("after its forward", "leave 'recompute' and 'chained' out of the planner's decisions")
+        kept = buffers.swap_in()
+        try:
+            yield
+        finally:
+            buffers.put_back(kept)
+
+    def _note_unchained(self, index: int) -> None:
+        if self._unchained_noted:
+            return
+        self._unchained_noted = True
+        log.warning("um_alloc planner: %s was planned to be rerun from the unit before it, and this call does not "
+                    "take that unit's output unchanged as its one argument; it keeps what it saves (more memory "
+                    "than the plan counted)", self.units[index].name)
+
+    # -- what a measuring step learns of chains --
+
+    def _forget_calls(self) -> None:
+        if self._chain is not None:
+            self._chain.close()
+        self._chain = self._last_out = self._last_call = None
+
+    def _note_link(self, step: Step, index: int, args: tuple, kwargs: dict) -> bool:
+        """Whether this call takes the unit before's last output, unchanged, as its one argument.
+        In the probed step, the unit before, if a gap, is then timed rerunning alone."""
+        last, self._last_out = self._last_out, None
+        follows = (last is not None and last[0] == index - 1 and not kwargs and len(args) == 1
+                   and args[0] is last[1]() and args[0]._version == last[2])
+        step.spec.recorder.units[index].links.append(follows)
+        before, self._last_call = self._last_call, None
+        if follows and before is not None and before[0] == index - 1:
+            self._rerun_alone(step, *before)
+        return follows
+
+    def _after_call(self, step: Step, index: int, forward, args: tuple, out, follows: bool, versions: list) -> None:
+        seen = step.spec.recorder.units[index]
+        changed = [a._version for a in args if isinstance(a, torch.Tensor)] != versions
+        seen.changes_input = seen.changes_input or changed
+        self._last_out = (index, weakref.ref(out), out._version) if isinstance(out, torch.Tensor) else None
+        if not step.spec.count_ops or self.units[index].kind != "gap" or len(args) != 1:
+            return
+        if follows:
+            self._rerun_alone(step, index, forward, args, changed)
+        else:  # timed once a call of the next unit takes its output
+            self._last_call = (index, forward, args, changed)
+
+    def _rerun_alone(self, step: Step, index: int, forward, args: tuple, changes_input: bool) -> None:
+        """Times the gap's forward run again by itself, without a graph, on its arguments (a copy
+        of one it changes in place), its buffers and the RNG's state left as they were."""
+        if changes_input:
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        kept = _BuffersBefore(self._buffers[index]).swap_in()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+                    step.spec.recorder.rerun_alone(index, nbytes):
+                forward(*args)
+        finally:
+            _BuffersBefore.put_back(kept)
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
         parked: list[_Parked] = []
