@@ -207,3 +207,50 @@ def test_a_chain_too_large_for_the_budget_in_its_backward_is_cut_short():
     room, tight = make_plan(cal, 6 * GiB), make_plan(cal, 5 * GiB)
     assert tight.predicted_peak_bytes <= tight.limit_bytes
     assert chains(tight.decisions) == [(0, 1)] and chains(room.decisions) == [(0, 2)]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_no_chained_step_leaves_its_activations_alive(fails, monkeypatch):
+    """After each step nothing a chain's units saved or reran is alive, also while Python's cycle
+    collector does not run (a ReLU saves its own output), and also where the chain's rerun fails
+    in backward (out of memory): a loop that runs the step again has the room it had."""
+    import gc
+
+    torch.manual_seed(0)
+    model = Stemmed().double()
+    units = find_units(model)
+    chosen = tuple(STEM.get(u.name, Decision.KEEP) for u in units) + (Decision.KEEP,)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(chosen), window=1 << 20, min_bytes=1)
+    runtime.attach()
+    stem_shape = (4, 8, 8, 8)  # the convolution's, BatchNorm's and ReLU's outputs
+
+    relu = torch.nn.functional.relu
+
+    def relu_failing_in_backward(*args, **kwargs):  # the ReLU's rerun, in the chain's
+        if relu_failing_in_backward.now:
+            raise torch.OutOfMemoryError("no room for the rerun")
+        return relu(*args, **kwargs)
+
+    relu_failing_in_backward.now = False
+    monkeypatch.setattr(torch.nn.functional, "relu", relu_failing_in_backward)
+
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(3):
+            x = torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            loss = model(x).square().sum()
+            relu_failing_in_backward.now = fails
+            try:
+                loss.backward()
+                assert not fails
+            except torch.OutOfMemoryError:
+                assert fails
+            finally:
+                relu_failing_in_backward.now = False
+                del loss
+            alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == stem_shape]
+            assert alive == [], f"step {step}: {len(alive)} of the stem's activations still alive"
+    finally:
+        gc.enable()
+        runtime.detach()

@@ -29,6 +29,7 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.utils._pytree as pytree
 
+from ..rebuild import as_saved
 from .rerun import _AutocastState, _RngState
 
 __all__ = ["RerunChain"]
@@ -95,23 +96,32 @@ class RerunChain:
 
     def _rerun(self, last: int) -> None:
         """The chain's calls again, from the first one's inputs to call `last`, keeping what each
-        saves that backward has yet to take."""
+        saves that backward has yet to take. The rerun's own graph goes when it is done: what it
+        saved is held as aliases without history (as_saved), so no op that saves its own output
+        (a ReLU) makes a cycle through autograd's C++ that would keep it. A rerun that fails (out
+        of memory) leaves nothing of itself held."""
         leaves = [self._resolve(v) for v in self._leaves]
         leaves = [v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in leaves]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        out = None
-        for k, link in enumerate(self._links[:last + 1]):
-            seen: list[torch.Tensor] = []
+        out, seen = None, []
+        try:
+            for k, link in enumerate(self._links[:last + 1]):
+                seen = []
 
-            def capture(tensor: torch.Tensor) -> torch.Tensor:
-                seen.append(tensor)
-                return tensor
+                def capture(tensor: torch.Tensor) -> torch.Tensor:
+                    seen.append(as_saved(tensor))
+                    return seen[-1]
 
-            with link.rng.restored(), link.autocast.restored(), torch.enable_grad(), link.rerunning(), \
-                    torch.autograd.graph.saved_tensors_hooks(capture, _same):
-                out = link.forward(*args, **kwargs) if k == 0 else link.forward(out)
-            self._keep(k, link, seen)
-        del out
+                with link.rng.restored(), link.autocast.restored(), torch.enable_grad(), link.rerunning(), \
+                        torch.autograd.graph.saved_tensors_hooks(capture, _same):
+                    out = link.forward(*args, **kwargs) if k == 0 else link.forward(out)
+                self._keep(k, link, seen)
+        except BaseException:
+            self._ready.clear()
+            seen.clear()
+            raise
+        finally:
+            del out, args, kwargs, leaves
 
     def _keep(self, k: int, link: _Link, seen: list[torch.Tensor]) -> None:
         rerun = [(t.shape, t.dtype) for t in seen]
