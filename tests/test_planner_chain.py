@@ -195,11 +195,12 @@ def test_without_calls_that_follow_one_another_nothing_is_chained():
 
 
 def test_a_chains_rerun_holds_all_its_units_saved_tensors_at_once_in_its_backward():
-    """In stem.3's backward the chain holds stem.0-2's saved tensors (rerun together), beside
-    stem.3's own and stem.0's input (which recompute keeps)."""
+    """In stem.3's backward the chain holds stem.0-2's saved tensors (rerun together) and, while
+    it reruns, the largest of its units' outputs (their inputs, 256 MiB), beside stem.3's own and
+    stem.0's input (which recompute keeps)."""
     chained = (Decision.RECOMPUTE,) + (Decision.CHAINED,) * 3 + (Decision.RECOMPUTE, Decision.KEEP, Decision.KEEP)
     plan = evaluate(stem(), chained, 16 * GiB)
-    assert plan.predicted_peak_bytes == 2 * GiB + 1 * GiB + 3 * GiB + 256 * MiB
+    assert plan.predicted_peak_bytes == 2 * GiB + 1 * GiB + 3 * GiB + 256 * MiB + 256 * MiB
 
 
 def test_a_chain_too_large_for_the_budget_in_its_backward_is_cut_short():
@@ -254,3 +255,14 @@ def test_no_chained_step_leaves_its_activations_alive(fails, monkeypatch):
     finally:
         gc.enable()
         runtime.detach()
+
+
+def test_at_the_budgets_edge_the_stem_of_the_plan_that_keeps_least_is_rerun_as_a_chain():
+    """gaps_chained: each run of gaps that may rerun one from another, from the first one's kept
+    inputs; blocks, and gaps that cannot, keep their decisions."""
+    from um_alloc.planner.planning import SAFE, gaps_chained
+
+    cal = stem()
+    least = tuple(SAFE[u.kind] for u in cal.units)
+    assert gaps_chained(cal, least) == (Decision.RECOMPUTE,) + (Decision.CHAINED,) * 3 + least[4:]
+    assert gaps_chained(stem(follows=False), least) == least

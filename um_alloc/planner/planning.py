@@ -36,7 +36,7 @@ import numpy as np
 from ..sizes import format_size, size_text
 
 __all__ = ["Decision", "UnitCost", "Segment", "Calibration", "Plan", "PlanInfeasible", "make_plan",
-           "checkpointing_plan", "BLOCK_DECISIONS", "GAP_DECISIONS", "pool_repeats"]
+           "checkpointing_plan", "chains", "gaps_chained", "BLOCK_DECISIONS", "GAP_DECISIONS", "pool_repeats"]
 
 
 class Decision(str, enum.Enum):
@@ -445,6 +445,21 @@ def checkpointing_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int
     return first_recomputed(low)
 
 
+def gaps_chained(cal: Calibration, decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
+    """`decisions` with each run of gaps that may rerun one from another (their calls follow one
+    another, and the probed step timed their reruns) rerun as a chain from the first one's inputs,
+    kept: a convolutional network's stem, which a plan that moves it sends over the link whole."""
+    out, units, j = list(decisions), cal.units, 0
+    while j < len(units) - 1:
+        k = j + 1
+        while k < len(units) and units[k].kind == "gap" and Decision.CHAINED in units[k].allowed():
+            k += 1
+        if units[j].kind == "gap" and Decision.RECOMPUTE in units[j].allowed() and k > j + 1:
+            out[j:k] = [Decision.RECOMPUTE] + [Decision.CHAINED] * (k - j - 1)
+        j = k
+    return tuple(out)
+
+
 def _evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, limit: int,
               link_room: int) -> Plan:
     reruns = chains(decisions)
@@ -487,12 +502,29 @@ def _rerun_together(cal: Calibration, segment: Segment, reruns: list[tuple[int, 
     """What a segment holds of chains rerun at once. A chain reruns whole when backward reaches its
     last unit, and each unit's saved tensors stay until its own backward: from there until
     backward reaches the first, a segment holds those of the units whose backward is still to
-    come, besides what the safe step held (the last unit's own, recomputed or copied back)."""
+    come, besides what the safe step held (the last unit's own, recomputed or copied back). While
+    the rerun runs (every unit before the last still held), the last unit's output is made beside
+    them (each earlier unit's is what the next one saves)."""
     if not segment.in_backward:
         return 0
     held = set(segment.held)
-    return sum(cal.units[j].saved_bytes for first, last in reruns
-               if last not in held and first in held for j in range(first, last) if j in held)
+    total = 0
+    for first, last in reruns:
+        if last in held or first not in held:
+            continue
+        total += sum(cal.units[j].saved_bytes for j in range(first, last) if j in held)
+        if all(j in held for j in range(first, last)):
+            total += _output_bytes(cal, first, last)
+    return total
+
+
+def _output_bytes(cal: Calibration, first: int, last: int) -> int:
+    """The output of a chain's last unit: the input of the unit after it, where that one follows
+    it; else, at most, the largest output the chain's units pass on."""
+    after = last + 1
+    if after < len(cal.units) and cal.units[after].follows and cal.units[after].input_bytes > 0:
+        return cal.units[after].input_bytes
+    return max(cal.units[j].input_bytes for j in range(first + 1, last + 1))
 
 
 def _chains_over(cal: Calibration, decisions: tuple[Decision, ...], limit: int) -> set[int]:
