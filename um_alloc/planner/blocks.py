@@ -20,13 +20,15 @@ with class names.
 A *gap* is what lies between blocks: the children along the way from the root to the blocks that
 neither are blocks nor contain one (embeddings, a ResNet's stem, the head). A ModuleList or
 ModuleDict is never called itself (its owner calls its children: ConvNeXt's downsampling layers),
-so its children are the gaps. Their activations can be moved to host memory, not recomputed: they
-are not in a container the plan could rerun.
+so its children are the gaps. Their activations can be moved to host memory; a gap is rerun only
+as part of a chain (chain.py): gaps whose calls follow one another, rerun in backward from the
+first one's inputs.
 
 A model with no blocks at all (a VGG's layers in a ``Sequential``, two parts of different classes)
 has gaps only: its leaves, each layer a gap however deep it sits (a training framework's module
-holding the model as an attribute), so that a plan can keep one layer's saved tensors and move
-another's. Nothing is recomputed unless ``block_classes`` names what may be.
+holding the model as an attribute), so that a plan can keep one layer's saved tensors, move
+another's and rerun a run of them as a chain. ``block_classes`` names what may be recomputed as
+blocks.
 """
 from __future__ import annotations
 
