@@ -170,7 +170,8 @@ def stem(follows: bool = True, saved: int = 1 * GiB, rate: float = 50e9, static:
     units.append(UnitCost("head", "gap", 1e-3, saved_bytes=16 * MiB))
     n = len(units)
     segments = [Segment(f"forward {j}", static + 256 * MiB, tuple(range(j))) for j in range(n + 1)]
-    segments += [Segment(f"backward {j}", static + saved, tuple(range(j)), in_backward=True) for j in range(n - 1, -1, -1)]
+    segments += [Segment(f"backward {j}", static + saved, tuple(range(j)), in_backward=True)
+                 for j in range(n - 1, -1, -1)]
     return Calibration(tuple(units), tuple(segments), step_s=0.5, link_bytes_per_s=rate)
 
 
@@ -266,3 +267,36 @@ def test_at_the_budgets_edge_the_stem_of_the_plan_that_keeps_least_is_rerun_as_a
     least = tuple(SAFE[u.kind] for u in cal.units)
     assert gaps_chained(cal, least) == (Decision.RECOMPUTE,) + (Decision.CHAINED,) * 3 + least[4:]
     assert gaps_chained(stem(follows=False), least) == least
+
+
+def test_the_plan_that_keeps_least_with_its_gaps_chained_is_tried_only_within_half_the_overflow_left():
+    planner = BlockPlanner(Stemmed(), "6GiB")  # overflow: a quarter of the budget, 1.5 GiB
+    cal = stem(saved=128 * MiB)  # the chain holds 3 x 128 MiB more at once, and the last output
+    least = planner._least(cal)
+    chained = planner._least_chained(cal, least)
+    assert chained.decisions[:4] == (Decision.RECOMPUTE,) + (Decision.CHAINED,) * 3
+    assert chained.made == "the plan that keeps least, its gaps rerun in chains"
+    planner.overflow = 512 * MiB
+    assert planner._least_chained(cal, least) is None
+    planner.remove()
+
+
+class WholeBatch(nn.Module):
+    """Reads its input as a batch of four: on part of the batch it fails."""
+
+    def forward(self, x):
+        return x.view(4, 8, 8, 8).tanh().view_as(x)
+
+
+def test_a_gap_that_needs_its_whole_batch_is_not_timed_alone_and_does_not_rerun():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), WholeBatch(), nn.ReLU(), nn.Flatten(), nn.Linear(512, 3))
+    planner = BlockPlanner(model, "1GiB")
+    x = torch.randn(4, 3, 8, 8)
+    for _ in range(3):
+        model(x).sum().backward()
+    units = {u.name: u for u in planner.calibration.units}
+    assert units["1"].follows and units["1"].recompute_s == 0
+    assert units["1"].allowed() == (Decision.KEEP, Decision.MOVE)
+    assert units["0"].recompute_s > 0 and Decision.CHAINED in units["2"].allowed()
+    planner.remove()

@@ -77,7 +77,8 @@ log = logging.getLogger("um_alloc.planner")
 
 REST = "(outside the units)"         # what the model's forward saves outside every unit: its loss
 STRATEGIES = ("auto", "checkpoint")
-DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved", "chained")  # auto: this planner; checkpoint: every block recomputed
+# auto: this planner; checkpoint: every block recomputed
+DEFAULT_DECISIONS = ("keep", "rebuild", "move", "recompute", "recompute_moved", "chained")
 CALIBRATION_STEPS = 2                # the first counts the ops a selective recompute keeps
 BORROWED_STEPS = 16                  # steps an input runs a larger input's plan before it is measured itself
 PROBED = frozenset({Decision.REBUILD, Decision.SELECTIVE, Decision.SELECTIVE_MOVED})  # need the first step's probes
@@ -425,7 +426,8 @@ class BlockPlanner:
         shape.measured_overflow = recorder.overflowed_bytes
         shape.calibrated += 1
         if probed:
-            shape.first = {j: {name: getattr(u, name) for name in _first_step_figures(u)} for j, u in enumerate(cal.units)}
+            shape.first = {j: {name: getattr(u, name) for name in _first_step_figures(u)}
+                           for j, u in enumerate(cal.units)}
             shape.recipes = recorder.recipes()
             shape.probed_inputs = _input_shapes(recorder)
             if following is shape:

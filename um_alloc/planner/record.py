@@ -116,7 +116,7 @@ class _UnitSeen:
     rebuilt: RebuildProbe | None = None  # what its recomputations found backward could rebuild
     links: list[bool] = field(default_factory=list)  # per call: did it take the unit before's output (chain.py)
     changes_input: bool = False   # a call changed its argument in place
-    reruns: list[tuple] = field(default_factory=list)  # (start, end, host seconds) of reruns timed alone
+    reruns: list[tuple] = field(default_factory=list)  # (start, end, host seconds, GPU time's scale) of reruns alone
 
 
 class StepRecorder:
@@ -166,13 +166,14 @@ class StepRecorder:
         return done
 
     @contextlib.contextmanager
-    def rerun_alone(self, unit: int, input_bytes: int):
+    def rerun_alone(self, unit: int, input_bytes: int, scale: float = 1.0):
         """A unit's forward run again by itself, timed: what rerunning a gap costs, which the safe
-        step (where gaps move) never does. `input_bytes`: what recomputing it would keep."""
+        step (where gaps move) never does. `input_bytes`: what recomputing it would keep; `scale`:
+        the GPU time's factor, for a rerun on a part of the batch."""
         seen = self.units[unit]
         start, cpu = self._clock(), time.perf_counter()
         yield
-        seen.reruns.append((start, self._clock(), time.perf_counter() - cpu))
+        seen.reruns.append((start, self._clock(), time.perf_counter() - cpu, scale))
         seen.input_bytes = max(seen.input_bytes, input_bytes)
 
     def rebuild_probe(self, unit: int, min_bytes: int) -> RebuildProbe:
@@ -213,8 +214,8 @@ class StepRecorder:
         for unit, start, end in self._ops:
             self.units[unit].matmul_s += self._seconds(start, end)
         for seen in self.units:
-            for start, end, cpu in seen.reruns:
-                seen.recompute_s += self._seconds(start, end)
+            for start, end, cpu, scale in seen.reruns:
+                seen.recompute_s += scale * self._seconds(start, end)
                 seen.recompute_cpu_s += cpu
         self._time_backwards()
         hide = self._hide_times()
@@ -282,8 +283,9 @@ class StepRecorder:
             held = tuple(j for j, first, last in spans if first <= k - 1 and last >= k)
             label = f"{self._name(k - 1)} -> {self._name(k)}"
             before, after = self.marks[k - 1], self.marks[k]
-            out.append(Segment(label, after.peak, held, self._seconds(before.clock, after.clock), after.cpu - before.cpu,
-                               after.ahead, in_backward=k - 1 >= backward))
+            seconds = self._seconds(before.clock, after.clock)
+            out.append(Segment(label, after.peak, held, seconds, after.cpu - before.cpu, after.ahead,
+                               in_backward=k - 1 >= backward))
         return tuple(out)
 
     def _name(self, k: int) -> str:

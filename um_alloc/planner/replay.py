@@ -73,6 +73,7 @@ __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 
 MiB = 1 << 20
 MOST_FORWARDS_A_STEP = 16   # forwards a step gathers before backward; past them the step is closed
+RERUN_ALONE_SHARE = 8       # a gap's rerun is timed on an eighth of its batch (_rerun_alone)
 log = logging.getLogger("um_alloc.planner")
 
 
@@ -413,10 +414,11 @@ class Runtime:
         decision = step.spec.decisions[index]
         self._outside_units(False)
         chain, self._chain = self._chain, None
-        follows = self._note_link(step, index, args, kwargs) if step.spec.recorder else False
+        recorder = step.spec.recorder
+        follows = self._note_link(step, index, args, kwargs) if recorder else False
+        versions = [a._version for a in args if isinstance(a, torch.Tensor)] if recorder else None
         start = step.mark("pre", index)
         outer, self._where = self._where, index
-        versions = [a._version for a in args if isinstance(a, torch.Tensor)]
         try:
             if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
@@ -442,11 +444,10 @@ class Runtime:
             if chain is not None and chain is not self._chain:
                 chain.close()
         end = step.mark("post", index)
-        if step.spec.recorder:
+        if recorder:
             self._after_call(step, index, forward, args, out, follows, versions)
+            recorder.pair("forward", index, start, end)
         self._outside_units(outer == self.rest)
-        if step.spec.recorder:
-            step.spec.recorder.pair("forward", index, start, end)
         if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
             self._on_backward(step, index, out)
         return out
@@ -587,17 +588,27 @@ class Runtime:
             self._last_call = (index, forward, args, changed)
 
     def _rerun_alone(self, step: Step, index: int, forward, args: tuple, changes_input: bool) -> None:
-        """Times the gap's forward run again by itself, without a graph, on its arguments (a copy
-        of one it changes in place), its buffers and the RNG's state left as they were."""
+        """Times the gap's forward run again by itself, without a graph, its buffers and the RNG's
+        state left as they were, on a part of its argument's first dimension (the batch): a
+        language model's head makes logits many times its input, which a whole rerun would hold
+        beside the step's own. Its GPU time is scaled up by as much (a small batch runs no faster
+        a sample: an overestimate, if any); its host time is the launches', as large either way.
+        A module that needs the whole batch is not timed, and its gap does not rerun."""
+        (whole,) = args
+        rows = whole.shape[0] if whole.dim() > 0 else 1
+        taken = max(rows // RERUN_ALONE_SHARE, 1)
+        part = whole[:taken] if whole.dim() > 0 else whole
         if changes_input:
-            args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-        nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            part = part.clone()
+        timed = step.spec.recorder.rerun_alone(index, whole.numel() * whole.element_size(), scale=rows / taken)
         kept = _BuffersBefore(self._buffers[index]).swap_in()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), \
-                    step.spec.recorder.rerun_alone(index, nbytes):
-                forward(*args)
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), timed:
+                forward(part)
+        except Exception as error:  # noqa: BLE001 (a probe: the unit only loses the chance to rerun)
+            log.info("planner: %s's forward did not run on part of its batch (%s); it is not rerun in chains",
+                     self.units[index].name, str(error).splitlines()[0][:200])
         finally:
             _BuffersBefore.put_back(kept)
 
