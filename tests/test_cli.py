@@ -62,6 +62,14 @@ def test_check_says_where_the_planner_keeps_checkpoint_throughout(tmp_path):
     assert "(hard, block planner)" in result.stdout  # planner.yaml: as one node where a block allows
 
 
+def test_check_says_where_the_planner_chains_nothing(tmp_path):
+    unchained = tmp_path / "no_chains.yaml"
+    unchained.write_text("scheduler: {budget: 4GiB, strategy: auto, chains: false}\n")
+    result = run_cli("check", "--device-memory", "8GiB", unchained)
+    assert result.returncode == 0, result.stderr
+    assert "budget 4.0 GiB (hard, block planner, no chains)" in result.stdout
+
+
 def test_check_reports_every_bad_file_and_exits_1(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tags:\n  parameter:\n    preferred_location: gpuu\n")

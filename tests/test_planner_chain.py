@@ -300,3 +300,14 @@ def test_a_gap_that_needs_its_whole_batch_is_not_timed_alone_and_does_not_rerun(
     assert units["1"].allowed() == (Decision.KEEP, Decision.MOVE)
     assert units["0"].recompute_s > 0 and Decision.CHAINED in units["2"].allowed()
     planner.remove()
+
+
+def test_chains_off_leave_chained_out_of_the_decisions_from_the_argument_or_the_policy():
+    planner = BlockPlanner(Stemmed(), "1GiB")
+    assert Decision.CHAINED in planner.allowed
+    planner.remove()
+    planner = BlockPlanner(Stemmed(), "1GiB", chains=False)
+    assert Decision.CHAINED not in planner.allowed and Decision.RECOMPUTE in planner.allowed
+    planner.remove()
+    with pytest.raises(ValueError, match="chains"):
+        BlockPlanner(Stemmed(), "1GiB", chains="no")

@@ -385,7 +385,7 @@ def test_every_strategy_needs_a_hard_budget(strategy):
         policy_from_dict({"scheduler": {"strategy": strategy, "evict_live": True}}, source="p.yaml", name="p")
 
 
-@pytest.mark.parametrize("key", ["one_node_recompute", "lean_loss"])
+@pytest.mark.parametrize("key", ["one_node_recompute", "chains", "lean_loss"])
 def test_the_planners_switches_are_on_unless_a_policy_turns_them_off(key):
     def scheduler(**keys):
         return policy_from_dict({"scheduler": keys}, source="p.yaml", name="p").scheduler

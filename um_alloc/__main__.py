@@ -49,6 +49,8 @@ def _budget_mode(scheduler) -> str:
         return mode
     if not scheduler.one_node_recompute:
         mode += " through torch.utils.checkpoint"
+    if not scheduler.chains:
+        mode += ", no chains"
     if not scheduler.lean_loss:
         mode += ", the model's own loss"
     if scheduler.block_classes:

@@ -82,6 +82,8 @@ class SchedulerSettings:
     one_node_recompute: bool = True           # the block planner recomputes a block as one node
                                               # of the graph where it may; false: through
                                               # torch.utils.checkpoint (um_alloc.planner.rerun)
+    chains: bool = True                       # the block planner may rerun units whose calls
+                                              # follow one another in chains (um_alloc.planner.chain)
     lean_loss: bool = True                    # the block planner computes a large cross-entropy
                                               # inside the model's forward in row chunks
                                               # (um_alloc.planner.lean_loss)
@@ -214,7 +216,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
     SchedulerSettings: {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
-        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "lean_loss": _bool,
+        "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "chains": _bool, "lean_loss": _bool,
         "block_classes": _class_names, "overflow": _size_or("auto", zero_is_none=True),
     },
     TagAdvice: {

@@ -129,8 +129,8 @@ class RerunChain:
             raise RuntimeError(
                 f"planner: {link.name}, rerun in backward as part of a chain of recomputed units, saved "
                 f"{len(rerun)} tensors where its forward saved {len(link.saved)} (or of other shapes or types): its "
-                "forward does not compute the same thing again. Leave 'chained' out of the planner's decisions "
-                "(decisions=[...], or scheduler.decisions in the policy)")
+                "forward does not compute the same thing again. Turn chains off (chains=False, or scheduler.chains: "
+                "false in the policy)")
         for n, tensor in enumerate(seen):
             if (k, n) not in self._taken:
                 self._ready[(k, n)] = tensor

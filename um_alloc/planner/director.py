@@ -154,6 +154,9 @@ class BlockPlanner:
             rather than through torch.utils.checkpoint, which costs the host twice as much. False
             keeps torch.utils.checkpoint throughout. Default: the installed policy's
             scheduler.one_node_recompute (true unless a policy says otherwise).
+        chains: let a plan rerun units whose calls follow one another in chains, from the first
+            one's inputs (um_alloc.planner.chain). False leaves "chained" out of the decisions.
+            Default: the installed policy's scheduler.chains (true unless a policy says otherwise).
 
     Attributes:
         safe_steps: steps run in the safe mode to measure an input (``to_dict()["inputs"]`` says
@@ -168,7 +171,7 @@ class BlockPlanner:
                  overflow: int | str | None = None,
                  window: int | str | None = None, hide_fraction: float = 0.7,
                  decisions: list[str] | None = None, lean_loss: bool | None = None,
-                 one_node_recompute: bool | None = None):
+                 one_node_recompute: bool | None = None, chains: bool | None = None):
         if not isinstance(model, nn.Module):
             raise _at("model").error("not a torch.nn.Module", received=model)
         self.strategy = arguments.one_of(strategy, _at("strategy"), STRATEGIES)
@@ -181,6 +184,8 @@ class BlockPlanner:
         lean_loss = _switch(lean_loss, "lean_loss")
         one_node_recompute = _switch(one_node_recompute, "one_node_recompute")
         self.allowed = _decisions(decisions)
+        if not _switch(chains, "chains"):
+            self.allowed -= {Decision.CHAINED}
         block_classes = _block_classes(block_classes)
         self.units: list[Unit] = find_units(model, block_classes)
         if not self.units:
@@ -188,8 +193,9 @@ class BlockPlanner:
                              "all its work itself); the planner decides for a model's blocks and layers")
         if not any(u.kind == "block" for u in self.units):
             log.warning("planner: no repeated blocks found in %s (no module of it holds two or more modules of one "
-                        "class): its %d layers' saved tensors may move to host memory, and none is recomputed. To "
-                        "recompute, name the block classes: block_classes=[...], or scheduler.block_classes: [...] "
+                        "class): its %d layers' saved tensors may move to host memory, or layers that follow one "
+                        "another rerun in chains, and none is recomputed as a block. To recompute blocks, name their "
+                        "classes: block_classes=[...], or scheduler.block_classes: [...] "
                         "in the policy (python -m um_alloc run and the callbacks, no code changed)",
                         type(model).__name__, len(self.units))
         self.device = _device_of(model)

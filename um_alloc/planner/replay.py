@@ -74,6 +74,7 @@ __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 MiB = 1 << 20
 MOST_FORWARDS_A_STEP = 16   # forwards a step gathers before backward; past them the step is closed
 RERUN_ALONE_SHARE = 8       # a gap's rerun is timed on an eighth of its batch (_rerun_alone)
+CHAINS_OFF = "turn chains off (chains=False, or scheduler.chains: false in the policy)"
 log = logging.getLogger("um_alloc.planner")
 
 
@@ -528,7 +529,7 @@ class Runtime:
         chain = RerunChain(self.device, held, _unpark)
         out = chain.call(index, unit.name, forward, args, kwargs,
                          functools.partial(self._rerunning_in_chain, buffers, inputs))
-        inputs.check("by its own forward", "it cannot be recomputed; leave 'recompute' out of the planner's decisions")
+        inputs.check("by its own forward", f"it cannot head a chain; {CHAINS_OFF}")
         if decision.moves_inputs:
             inputs.forget([p.tensor for p in parked])  # the rerun reads their copies, taken now
             for slot in parked:
@@ -541,7 +542,7 @@ class Runtime:
         """Around a chain's rerun of one unit: the first unit's inputs as its forward found them,
         and each unit's buffers as its forward found them (_recomputing's, without the recorder)."""
         if inputs is not None:
-            inputs.check("after its forward", "leave 'recompute' and 'chained' out of the planner's decisions")
+            inputs.check("after its forward", CHAINS_OFF)
         kept = buffers.swap_in()
         try:
             yield
