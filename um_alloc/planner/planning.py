@@ -398,7 +398,7 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
     link_room = _link_room(cal, hide_fraction)
     lowest = min((s.peak_bytes - s.ahead_bytes for s in cal.segments), default=0)  # where a prefix has the most room
     grid = _Grid(limit - lowest, link_room, cal.link_bytes_per_s, unit_bytes, link_unit_bytes)
-    unchained: set[int] = set()  # units whose chained rerun put a chain's backward over the limit
+    unchained: set[int] = set()  # units a chain's rerun in backward has no room for
     while True:
         options = [_options(u, allowed, hide_fraction, cal.link_bytes_per_s, scale, COPY_OUT_LEAD_S,
                             chained=j not in unchained) for j, u in enumerate(cal.units)]
@@ -408,7 +408,7 @@ def make_plan(cal: Calibration, budget_bytes: int, *, margin_bytes: int = 512 <<
         over = _chains_over(cal, decisions, limit)
         if not over:
             return replace(plan, made="the model's fastest")
-        unchained |= over  # each round, every chain too large is one unit shorter
+        unchained |= over  # each chain too large cut to what fits of it, and the plan made again
 
 
 def evaluate(cal: Calibration, decisions: tuple[Decision, ...], budget_bytes: int, *,
@@ -528,16 +528,26 @@ def _output_bytes(cal: Calibration, first: int, last: int) -> int:
 
 
 def _chains_over(cal: Calibration, decisions: tuple[Decision, ...], limit: int) -> set[int]:
-    """The last unit of each chain whose rerun takes part in a segment past `limit`."""
+    """The chained units to leave out so that each chain's rerun fits under `limit` in its
+    backward: the tail of each chain past the longest part of it that fits, with the others."""
     reruns = chains(decisions)
-    over: set[int] = set()
     if not reruns:
-        return over
-    for s, held in zip(cal.segments, _segment_bytes(cal, decisions)):
-        parts = [(last, _rerun_together(cal, s, [(first, last)])) for first, last in reruns]
-        if held + sum(b for _, b in parts) > limit:
-            over |= {last for last, b in parts if b > 0}
-    return over
+        return set()
+    held = _segment_bytes(cal, decisions)
+
+    def fits(chosen: list[tuple[int, int]]) -> bool:
+        return all(h + _rerun_together(cal, s, chosen) <= limit for s, h in zip(cal.segments, held))
+
+    if fits(reruns):
+        return set()
+    cut: set[int] = set()
+    for k, (first, last) in enumerate(reruns):
+        others = reruns[:k] + reruns[k + 1:]
+        end = last
+        while end > first and not fits(others + [(first, end)]):
+            end -= 1
+        cut |= set(range(end + 1, last + 1))
+    return cut
 
 
 def _round_up(n: int, grain: int) -> int:

@@ -581,7 +581,8 @@ class Runtime:
         changed = [a._version for a in args if isinstance(a, torch.Tensor)] != versions
         seen.changes_input = seen.changes_input or changed
         self._last_out = (index, weakref.ref(out), out._version) if isinstance(out, torch.Tensor) else None
-        if not step.spec.count_ops or self.units[index].kind != "gap" or len(args) != 1:
+        if not step.spec.count_ops or self.units[index].kind != "gap" or len(args) != 1 \
+                or not isinstance(args[0], torch.Tensor):
             return
         if follows:
             self._rerun_alone(step, index, forward, args, changed)
