@@ -338,3 +338,32 @@ def test_a_gap_called_with_a_list_is_not_timed_alone_and_the_next_one_is():
     assert units["act"].follows and units["act"].recompute_s > 0
     assert not units["join"].follows and units["join"].recompute_s == 0
     planner.remove()
+
+
+def test_at_the_budgets_edge_the_plan_that_keeps_least_with_its_stem_chained_is_tried_beside_it():
+    """Where no plan fits beside what overflowed, the model's own plan (without chains) is tried
+    against the plan that keeps least and that plan with its gaps rerun in chains."""
+    from test_planner_arenas import RecordedArenas, trials_of
+
+    torch.manual_seed(0)
+    model = Stemmed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    planner = BlockPlanner(model, "1GiB")
+    arenas = planner._runtime.arenas = RecordedArenas()
+    x = torch.randn(4, 3, 8, 8)
+
+    def step():
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(3):
+        step()
+    arenas.overflowed = 2 << 30  # more than the whole budget: the margin is cut, plans run past it
+    step()
+    tried = trials_of(planner).tried
+    assert [t.plan.made for t in tried[1:]] == ["the plan that keeps least",
+                                                "the plan that keeps least, its gaps rerun in chains"]
+    assert Decision.CHAINED not in tried[0].plan.decisions  # the model's own, at the edge
+    assert tried[2].plan.decisions[:5] == (Decision.RECOMPUTE,) + (Decision.CHAINED,) * 4
+    planner.remove()

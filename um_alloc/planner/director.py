@@ -499,7 +499,10 @@ class BlockPlanner:
         where not even it fits, the plans its peak holds run anyway, their excess in host memory,
         if that excess is within the overflow (the safe steps that measured it ran). The margin is
         then settled: later overflows plan nothing again (on_overflow), and _plan_shape tries the
-        plan against the plan that keeps least."""
+        plan against the plan that keeps least. Past the budget a chain's rerun at once has no
+        room: such plans leave chains out, and the trials offer them in the plan that keeps least."""
+        if self._overflow_settled:
+            allowed = allowed - {Decision.CHAINED}
         try:
             return self._best(cal, allowed)
         except PlanInfeasible as refused:
@@ -523,7 +526,6 @@ class BlockPlanner:
                         "excess in host memory the GPU reaches over the link (slower), up to the %s of overflow "
                         "allowed. A budget of %s would hold it", format_size(excess), format_size(self.budget),
                         format_size(self.overflow), format_size(cal.smallest_budget(0)))
-        # At the edge the plans run past the budget, where a chain's rerun at once has no room.
         return self._within_least(cal, allowed - {Decision.CHAINED})
 
     def _within_least(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
