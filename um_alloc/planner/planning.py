@@ -23,7 +23,14 @@ decisions cost. Moves cost no time as long as the link carries them behind compu
 move only bytes the link can copy out in the forward left after it and back in the backward
 before it, and the plan as a whole no more than the link carries in the shorter of forward and
 backward (``hide_fraction`` of it). Within that, a dynamic programme over units in execution
-order (state: bytes added so far, bytes moved so far) finds the cheapest plan.
+order (state: bytes added so far, bytes moved so far, whether the last unit reruns) finds the
+cheapest plan.
+
+A chain (chain.py: a unit that reruns from its inputs, and the chained units after it, each rerun
+from the rerun of the one before) holds nothing between its units until backward reaches its last
+one; from there it holds every unit's saved tensors at once (_rerun_together), which no prefix of
+the programme sees: a plan whose chains pass the budget there has them cut to what fits, and is
+made again (_chains_over).
 """
 from __future__ import annotations
 
