@@ -522,9 +522,7 @@ class Runtime:
                              functools.partial(self._rerunning_in_chain, buffers, None))
             self._chain = chain
             return out
-        parked: list[_Parked] = []
-        held = ([self._park(_as_called(a), parked) for a in args],
-                {k: self._park(_as_called(v), parked) for k, v in kwargs.items()})
+        held, parked = self._held(args, kwargs)
         inputs = _Unchanged(unit.name, (args, kwargs))
         chain = RerunChain(self.device, held, _unpark)
         out = chain.call(index, unit.name, forward, args, kwargs,
@@ -615,9 +613,7 @@ class Runtime:
             _BuffersBefore.put_back(kept)
 
     def _recomputed(self, step: Step, index: int, decision: Decision, forward, args, kwargs):
-        parked: list[_Parked] = []
-        held_args = [self._park(_as_called(a), parked) for a in args]
-        held_kwargs = {k: self._park(_as_called(v), parked) for k, v in kwargs.items()}
+        (held_args, held_kwargs), parked = self._held(args, kwargs)
         inputs = _Unchanged(self.units[index].name, (args, kwargs))
         buffers = _BuffersBefore(self._buffers[index])
         call = self._one_node_call(step, index, decision, forward, (args, kwargs), (held_args, held_kwargs), parked,
@@ -704,6 +700,14 @@ class Runtime:
         else:
             self._clean[index].add(until - since)  # the size of its graph: a rerun of that size needs no look
         self._shown[index] = not found
+
+    def _held(self, args: tuple, kwargs: dict) -> tuple[tuple[list, dict], list[_Parked]]:
+        """A recomputed call's arguments as its rerun reads them (as called, its large inputs in
+        slots that can move to host memory), and those slots."""
+        parked: list[_Parked] = []
+        held = ([self._park(_as_called(a), parked) for a in args],
+                {k: self._park(_as_called(v), parked) for k, v in kwargs.items()})
+        return held, parked
 
     def _park(self, value, parked: list[_Parked]):
         if _parkable(value, self.device, self.min_bytes):
