@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..rebuild import as_saved
-from .rerun import _AutocastState, _RngState
+from .rerun import AutocastState, RngState
 
 __all__ = ["RerunChain"]
 
@@ -41,8 +41,8 @@ class _Link:
 
     def __init__(self, name: str, forward: Callable, device: torch.device, rerunning: Callable[[], ContextManager]):
         self.name, self.forward, self.rerunning = name, forward, rerunning
-        self.rng = _RngState(device)
-        self.autocast = _AutocastState(device.type)
+        self.rng = RngState(device)
+        self.autocast = AutocastState(device.type)
         self.saved: list[tuple[torch.Size, torch.dtype]] = []  # what its forward saved, in order
 
 

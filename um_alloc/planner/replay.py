@@ -75,6 +75,8 @@ MiB = 1 << 20
 MOST_FORWARDS_A_STEP = 16   # forwards a step gathers before backward; past them the step is closed
 RERUN_ALONE_SHARE = 8       # a gap's rerun is timed on an eighth of its batch (_rerun_alone)
 CHAINS_OFF = "turn chains off (chains=False, or scheduler.chains: false in the policy)"
+RECOMPUTE_OFF = ("leave 'recompute' and 'selective' out of the planner's decisions (their _moved forms recompute "
+                 "from copies taken at the end of the forward)")
 log = logging.getLogger("um_alloc.planner")
 
 
@@ -519,14 +521,14 @@ class Runtime:
                 self._note_unchained(index)
                 return forward(*args, **kwargs)
             out = chain.call(index, unit.name, forward, args, kwargs,
-                             functools.partial(self._rerunning_in_chain, buffers, None))
+                             functools.partial(_as_forward_found, buffers, None, CHAINS_OFF))
             self._chain = chain
             return out
         held, parked = self._held(args, kwargs)
         inputs = _Unchanged(unit.name, (args, kwargs))
         chain = RerunChain(self.device, held, _unpark)
         out = chain.call(index, unit.name, forward, args, kwargs,
-                         functools.partial(self._rerunning_in_chain, buffers, inputs))
+                         functools.partial(_as_forward_found, buffers, inputs, CHAINS_OFF))
         inputs.check("by its own forward", f"it cannot head a chain; {CHAINS_OFF}")
         if decision.moves_inputs:
             inputs.forget([p.tensor for p in parked])  # the rerun reads their copies, taken now
@@ -534,18 +536,6 @@ class Runtime:
                 slot.move_out(self.transfers)
         self._chain = chain
         return out
-
-    @contextlib.contextmanager
-    def _rerunning_in_chain(self, buffers: "_BuffersBefore", inputs: "_Unchanged | None"):
-        """Around a chain's rerun of one unit: the first unit's inputs as its forward found them,
-        and each unit's buffers as its forward found them (_recomputing's, without the recorder)."""
-        if inputs is not None:
-            inputs.check("after its forward", CHAINS_OFF)
-        kept = buffers.swap_in()
-        try:
-            yield
-        finally:
-            buffers.put_back(kept)
 
     def _note_unchained(self, index: int) -> None:
         if self._unchained_noted:
@@ -736,24 +726,35 @@ class Runtime:
         link), the buffers its forward changed are as that forward found them and change once
         (BatchNorm does not count the batch twice, spectral norm reruns the same power iteration),
         and the recorder sees the time and the bytes rebuilt."""
-        inputs.check("after its forward", "leave 'recompute' and 'selective' out of the planner's decisions "
-                     "(their _moved forms recompute from copies taken at the end of the forward)")
         for slot in parked:
             slot.fetch()
-        kept = buffers.swap_in()
         recorder = step.spec.recorder
         probe = recorder.rebuild_probe(index, self.min_bytes).around([p.tensor for p in parked]) \
             if recorder and step.spec.count_ops and self.units[index].kind == "block" else contextlib.nullcontext()
-        start = step.mark("recompute in", index)
-        rerun = RerunNote(counts_saves=recorder is not None)
-        try:
-            with probe:
-                yield rerun
-        finally:
-            end = step.mark("recompute out", index)
-            buffers.put_back(kept)
-            if recorder:
-                recorder.pair("recompute", index, start, end, not_saved=rerun.outputs_not_saved)
+        with _as_forward_found(buffers, inputs, RECOMPUTE_OFF):
+            start = step.mark("recompute in", index)
+            rerun = RerunNote(counts_saves=recorder is not None)
+            try:
+                with probe:
+                    yield rerun
+            finally:
+                end = step.mark("recompute out", index)
+                if recorder:
+                    recorder.pair("recompute", index, start, end, not_saved=rerun.outputs_not_saved)
+
+
+@contextlib.contextmanager
+def _as_forward_found(buffers: "_BuffersBefore", inputs: "_Unchanged | None", remedy: str):
+    """Around a rerun: its inputs unchanged since its forward (`remedy`: what to do where they
+    changed), and its unit's buffers as that forward found them. A chained unit's inputs are
+    the rerun of the unit before it (None): only the chain's first are checked."""
+    if inputs is not None:
+        inputs.check("after its forward", remedy)
+    kept = buffers.swap_in()
+    try:
+        yield
+    finally:
+        buffers.put_back(kept)
 
 
 class _BuffersBefore:

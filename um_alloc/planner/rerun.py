@@ -49,7 +49,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..rebuild import as_saved
 
-__all__ = ["MadeTensors", "RerunCall", "RerunNote", "foreign_edges", "graph_clock"]
+__all__ = ["AutocastState", "MadeTensors", "RerunCall", "RerunNote", "RngState", "foreign_edges", "graph_clock"]
 
 ACCUMULATE = "AccumulateGrad"
 CAST = "ToCopyBackward0"
@@ -99,8 +99,8 @@ class RerunCall:
         self._tensors: list | None = [t for t in map(resolve, self._leaves) if isinstance(t, torch.Tensor)]
         self._called: tuple | None = called  # until the forward has run on them
         self._params = params
-        self._rng = _RngState(device)
-        self._autocast = _AutocastState(device.type)
+        self._rng = RngState(device)
+        self._autocast = AutocastState(device.type)
         self._outputs: tuple[list, Any, list[int]] | None = None  # (non-tensor leaves, spec, tensor places)
         self._made: tuple[torch.Tensor, ...] = ()  # the first run's output tensors, until the node takes them
 
@@ -279,7 +279,7 @@ class _SavedStorages(torch.autograd.graph.saved_tensors_hooks):
         return sum(nbytes for pointer, nbytes in storages.items() if pointer not in known)
 
 
-class _RngState:
+class RngState:
     """The CPU's and the unit's device's RNG state when forward began, for the rerun: dropout
     draws the same masks."""
 
@@ -297,7 +297,7 @@ class _RngState:
             yield
 
 
-class _AutocastState:
+class AutocastState:
     """Autocast as forward had it, on the device and on the CPU. The rerun casts without the
     cache: forward's cache is gone, and with it a leaf's casts would be shared where forward
     made one per use."""
