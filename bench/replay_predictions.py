@@ -19,6 +19,11 @@ every model, budget and host a benchmark has measured, before a GPU runs it. Per
   stalled     what the measuring step's GPU stood waiting for copies back (Calibration.copy_stalls_s),
               where the record's calibration timed it: part of what the base leaves out, or not
 
+The summary also prices each plan from stock's measured step in place of the base, where the file
+holds it: the same decisions' costs on a base no calibration can give (stock's step needs the
+memory the budget denies), which shows how much of the error is the base's and how much the
+decisions' prices.
+
 Plans are priced as recorded: the decisions stay, so a change that would choose other decisions
 shows in the prices of these ones only. A run of inputs of changing shapes (`--lengths`) records
 the plan of one input against the steps of all: its rows are marked and left out of the summary.
@@ -76,17 +81,30 @@ def replay(record: dict, stock_step_s: float | None = None) -> dict | None:
             "recorded_s": record["plan"].get("predicted_step_s"), "measured_s": measured,
             "error": plan.predicted_step_s / measured - 1 if measured else None,
             "kept_s": cal.base_step_s(), "stock_s": stock_step_s, "one_input": not record.get("lengths"),
-            "stalled_s": cal.copy_stalls_s or None}
+            "stalled_s": cal.copy_stalls_s or None,
+            "error_on_stock": _error_on_stock(plan.predicted_step_s - cal.base_step_s(), stock_step_s, measured)}
+
+
+def _error_on_stock(decisions_s: float, stock_step_s: float | None, measured_s: float | None) -> float | None:
+    """The error of a prediction whose base is stock's measured step: `decisions_s` is what the
+    plan's decisions add to the base."""
+    if not stock_step_s or not measured_s:
+        return None
+    return (stock_step_s + decisions_s) / measured_s - 1
 
 
 def summary(rows: list[dict]) -> dict:
     """Over the records of one input shape with a measured step."""
     errors = [r["error"] for r in rows if r["error"] is not None and r["one_input"]]
     kept_over_stock = [r["kept_s"] / r["stock_s"] for r in rows if r["stock_s"] and r["one_input"]]
+    on_stock = [r["error_on_stock"] for r in rows if r.get("error_on_stock") is not None and r["one_input"]]
     return {"records": len(errors), "median_abs_error": statistics.median(map(abs, errors)) if errors else None,
             "within_15_percent": sum(abs(e) <= WITHIN for e in errors),
             "predicted_too_slow": sum(e > 0 for e in errors),
-            "median_kept_over_stock": statistics.median(kept_over_stock) if kept_over_stock else None}
+            "median_kept_over_stock": statistics.median(kept_over_stock) if kept_over_stock else None,
+            "on_stock": {"records": len(on_stock),
+                         "median_abs_error": statistics.median(map(abs, on_stock)) if on_stock else None,
+                         "within_15_percent": sum(abs(e) <= WITHIN for e in on_stock)}}
 
 
 def _ms(seconds: float | None) -> str:
@@ -110,6 +128,11 @@ def print_table(rows: list[dict], skipped: list[str]) -> None:
     if s["median_kept_over_stock"] is not None:
         print(f"the model's step with everything kept, over stock's measured step: {s['median_kept_over_stock']:.2f} "
               "(median, where the file holds stock's step at the batch)")
+    on_stock = s["on_stock"]
+    if on_stock["median_abs_error"] is not None:
+        print(f"the same decisions' costs on stock's measured step for the base: median |error| "
+              f"{100 * on_stock['median_abs_error']:.1f}%, {on_stock['within_15_percent']} within 15% "
+              f"(the {on_stock['records']} records whose file holds stock's step)")
     if not all(r["one_input"] for r in rows):
         print("*: inputs of changing shapes, one input's plan against every step; not in the summary")
     if skipped:

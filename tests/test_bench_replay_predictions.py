@@ -38,6 +38,30 @@ def test_a_recorded_plan_is_priced_today_against_its_measured_step_and_stocks(tm
     assert "1 records of one input shape: median |error| 25.0%" in capsys.readouterr().out
 
 
+def test_the_decisions_costs_are_priced_on_stocks_step_too(tmp_path, capsys):
+    """Where the file holds stock's step, the plan's decisions' costs on it, in place of the base,
+    make a second error: what the base alone gets wrong shows."""
+    cal = transformer()
+    today = evaluate(cal, make_plan(cal, 14 * GiB).decisions, 14 * GiB).predicted_step_s
+    decisions_s = today - cal.base_step_s()
+    measured = 0.2
+    stock = {"method": "stock", "batch": 8, "step_s_median": measured - decisions_s}  # base = stock: no error
+    unmatched = {"method": "stock", "batch": 16, "step_s_median": 0.1}  # another batch's: not this record's
+    (tmp_path / "with_stock.json").write_text(json.dumps([stock, unmatched, planner_record(measured_s=measured)]))
+    (tmp_path / "without.json").write_text(json.dumps([planner_record(measured_s=measured)]))
+    out = tmp_path / "replay.json"
+    assert replay_predictions.main([str(tmp_path), "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    rows = {Path(r["file"]).stem: r for r in written["rows"]}
+    with_stock, without = rows["with_stock"], rows["without"]
+    assert with_stock["error_on_stock"] == pytest.approx(0.0, abs=1e-12)
+    assert without["error_on_stock"] is None
+    assert written["summary"]["on_stock"] == {"records": 1, "median_abs_error": pytest.approx(0.0, abs=1e-12),
+                                              "within_15_percent": 1}
+    assert "on stock's measured step for the base: median |error| 0.0%, 1 within 15% (the 1 records" \
+        in capsys.readouterr().out
+
+
 def test_the_waits_for_copies_back_a_calibration_timed_are_shown_beside_its_base(tmp_path, capsys):
     record = planner_record(measured_s=0.5)
     record["calibration"]["copy_stalls_s"] = 0.0123
