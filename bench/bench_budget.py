@@ -12,7 +12,7 @@ in a process of its own, all with --phase-times and --link-rates:
   checkpointing    stock limited to the budget, activation checkpointing per layer
   reactive         um_alloc, none.yaml with the budget and evict_live: true: least recently used
                    chunks over the budget go to the host, faults bring them back
-  offload          um_alloc, best.yaml with the budget (hard), saved activations beyond it
+  offload          um_alloc, offload.yaml with the budget (hard), saved activations beyond it
                    offloaded by pinned copies (ActivationOffload, from the policy)
   offload_hostopt  the same with host_optimizer.yaml + offload_activations: AdamW's moments in
                    host memory, read and written over the link by the optimizer step
@@ -47,8 +47,8 @@ METHODS = ("stock", "save_on_cpu", "checkpointing", "reactive", "offload", "offl
 # Policies written for a run (base policy, scheduler settings besides the budget).
 GENERATED = {"reactive": ("none.yaml", {"evict_live": True}),
              "offload_hostopt": ("host_optimizer.yaml", {"evict_live": False, "offload_activations": True})}
-POLICIES = {"reactive": "none.yaml, evict_live: true", "offload": "best.yaml",
-            "offload_hostopt": "host_optimizer.yaml, offload_activations: true", "offload_moveall": "best.yaml, no rebuild",
+POLICIES = {"reactive": "none.yaml, evict_live: true", "offload": "offload.yaml",
+            "offload_hostopt": "host_optimizer.yaml, offload_activations: true", "offload_moveall": "offload.yaml, no rebuild",
             "offload_stock": "stock allocator"}
 
 
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def method_args(method: str, args, policy_dir: Path) -> list[str]:
     """train.py's arguments for `method` (see the module docstring), after the common ones."""
     budget, limit, window = ["--budget", args.budget], ["--memory-limit", args.budget], ["--offload-window", args.window]
-    policy = "best.yaml"
+    policy = "offload.yaml"
     if method in GENERATED:
         base, scheduler = GENERATED[method]
         policy = str(write_policy(policy_dir, method, with_scheduler(raw_policy(base), **scheduler), POLICIES[method]))

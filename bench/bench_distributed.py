@@ -35,12 +35,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from harness import (RESULTS, Run, new_run_id, protocol_record, rate_and_ratio_text, raw_policy, run_train,
-                     smallest_fitting, torchrun, with_scheduler, write_policy, write_result)
+from harness import (RESULTS, Run, new_run_id, protocol_record, rate_and_ratio_text, run_train, smallest_fitting,
+                     torchrun, write_result)
 
 from um_alloc.sizes import format_size, parse_size
 
 LAYERS = 24  # BERT-Large
+PLANNED = Path("best.yaml")  # the block planner: strategy auto
 METHODS = ("stock", "planner", "ddp_stock", "ddp_frontier", "ddp_planner", "fsdp_stock", "fsdp_frontier",
            "fsdp_cpu_offload", "fsdp_planner")
 
@@ -98,12 +99,6 @@ class Runs:
             return Run(name, description, [*self.common, *batch_flags, *flags])
         return Run(name, f"{description}, {parallel} on {self.args.gpus} GPUs",
                    [*self.common, *batch_flags, "--parallel", parallel, *flags], launch=torchrun(self.args.gpus))
-
-
-def planned_policy(out: Path) -> Path:
-    best = raw_policy("best.yaml")
-    return write_policy(out / "policies", "best_auto", with_scheduler(best, strategy="auto", offload_activations=False),
-                        "best.yaml with the block planner (scheduler.strategy: auto)")
 
 
 def measure(args, runs: Runs) -> dict[str, tuple[dict | None, dict]]:
@@ -174,14 +169,14 @@ def main() -> int:
     out = args.out or RESULTS / run_id
     if args.losses:
         args.steps, args.warmup = 20, 2
-        runs = Runs(args, planned_policy(out), "--deterministic")
+        runs = Runs(args, PLANNED, "--deterministic")
         record = {"run_id": run_id, "gpus": args.gpus, "budget_bytes": budget, "batch_per_gpu": args.batch,
                   "what": "BERT-Large MLM, bf16, deterministic kernels, dropout 0, 20 steps",
                   **compare_losses(args, runs)}
         print("wrote", write_result("distributed_losses", record, out))
         print({k: v for k, v in record["largest_difference"].items()})
         return 0
-    done = measure(args, Runs(args, planned_policy(out)))
+    done = measure(args, Runs(args, PLANNED))
     records = records_of(done, run_id, budget, args)
     write_result(f"distributed_{args.budget}", records, out)
     report(records, budget, args.gpus)

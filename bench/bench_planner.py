@@ -8,8 +8,8 @@ Methods (each a train.py run in a process of its own; BERT-Large MLM, bf16, fuse
   frontier       stock limited to the budget, the first k layers checkpointed, k the smallest
                  that fits (searched; fewer checkpointed layers are faster): the strongest peer
   save_on_cpu    stock limited to the budget, saved activations in pinned host memory
-  offload        um_alloc, best.yaml (strategy offload) under the budget
-  planner        um_alloc, best.yaml with strategy auto under the budget: the block planner
+  offload        um_alloc, offload.yaml under the budget: the activation offload
+  planner        um_alloc, best.yaml (strategy auto) under the budget: the block planner
   planner_plain_loss  the same with the model's loss left to PyTorch (scheduler.lean_loss:
                  false): what the chunked loss costs or gains
 
@@ -95,16 +95,12 @@ def main() -> int:
     budget = parse_size(args.budget, key="--budget", source="command line")
     run_id = new_run_id("planner")
     out = args.out or RESULTS / run_id
-    best = raw_policy("best.yaml")
-    planned = write_policy(out / "policies", "best_auto", with_scheduler(best, strategy="auto", offload_activations=False),
-                           "best.yaml with the block planner (scheduler.strategy: auto)")
-    plain_loss = write_policy(out / "policies", "best_auto_plain_loss",
-                              with_scheduler(best, strategy="auto", offload_activations=False, lean_loss=False),
-                              "best.yaml with the block planner, the model's loss left to PyTorch")
+    plain_loss = write_policy(out / "policies", "best_plain_loss", with_scheduler(raw_policy("best.yaml"), lean_loss=False),
+                              "best.yaml (the block planner) with the model's loss left to PyTorch")
     summaries: dict[str, tuple[dict | None, dict]] = {}
     runs = {"stock": stock_run(args, "stock"), "checkpointing": stock_run(args, "checkpointing", "--checkpointing"),
             "save_on_cpu": stock_run(args, "save_on_cpu", "--offload", "save_on_cpu"),
-            "offload": um_run(args, "offload", Path("best.yaml")), "planner": um_run(args, "planner", planned),
+            "offload": um_run(args, "offload", Path("offload.yaml")), "planner": um_run(args, "planner", Path("best.yaml")),
             "planner_plain_loss": um_run(args, "planner_plain_loss", plain_loss)}
     for name in runs:
         if name in methods or (name in ("stock", "checkpointing") and "frontier" in methods):

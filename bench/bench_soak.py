@@ -12,7 +12,7 @@ own (um_alloc installs before CUDA starts), under --budget (1.5 GiB) and --max-r
   planner  policies/planner.yaml; the block planner allowed only its safe decisions, so every
            step recomputes every block from inputs kept in host memory and moves what lies
            between blocks to host memory and back: the most work its replay does
-  offload  policies/best.yaml; the activation offload told there is no room (its peak_fn reports
+  offload  policies/offload.yaml; the activation offload told there is no room (its peak_fn reports
            the budget), so every saved tensor of 1 MiB or more goes to pinned host memory and
            back, every step
 
@@ -43,7 +43,7 @@ import torch
 
 MiB = 1 << 20
 MODES = ("planner", "offload")
-POLICIES = {"planner": "planner.yaml", "offload": "best.yaml"}
+POLICIES = {"planner": "planner.yaml", "offload": "offload.yaml"}
 # max - min after warm-up, in bytes, and why that much. Over 1,800 steps a tolerance of T lets
 # through a leak of at most T / 1,800 a step: 580 bytes for live bytes, 37 KiB for host memory.
 FLAT_TOLERANCES = {

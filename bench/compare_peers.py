@@ -11,8 +11,8 @@ Methods (each in its own process):
 - rmm_managed_pool: RMM's pool over managed memory (rmm_torch_allocator), when `import rmm` works.
 - um_reactive: um_alloc, none.yaml + scheduler.budget + evict_live: true: the reactive budget
   (evict least recently used chunks over the budget, let faults bring them back).
-- um_best: um_alloc, best.yaml + scheduler.budget: a hard budget, with saved activations beyond it
-  offloaded to pinned host memory (um_alloc.offload.ActivationOffload, from the policy).
+- um_best: um_alloc, best.yaml + scheduler.budget: a hard budget, under which the block planner
+  keeps, recomputes or moves each block's activations (um_alloc.planner).
 The budget (--memory-limit) is set_per_process_memory_fraction for stock, maximum_pool_size for
 RMM and scheduler.budget for um_alloc (a copy of the policy under OUT/policies/; where the policy
 does not accept it, the pool cap --memory-limit instead, and the table says so). A method that

@@ -7,10 +7,12 @@ budget, CUPTI counters on in every run (so every run pays the same profiling ove
 
 Default set: none, worst, best; then ablations of best: advice only (best's hints, no
 prefetch) and prefetch only (best's prefetches, no hints), each with best's scheduler. With --budget, also the ablations of
-what happens under a budget (best offloads activations by pinned copies under a hard budget):
-offload_off (the hard budget alone), each way data leaves the GPU (evict_reactive: least recently
-used chunks to the host by prefetch, faults bring them back; evict_host_mapped: best plus the
-optimizer state host-mapped, written by the GPU over the link), and three schedule windows.
+what happens under a budget (best's block planner keeps, recomputes or moves each block under a
+hard budget): offload (activations beyond the budget moved by pinned copies, nothing recomputed:
+offload.yaml's way), checkpoint (every block recomputed), planner_off (the hard budget alone),
+each way data leaves the GPU (evict_reactive: least recently used chunks to the host by prefetch,
+faults bring them back; evict_host_mapped: best plus the optimizer state host-mapped, written by
+the GPU over the link), and the offload's three schedule windows.
 
 Budgets: --budget writes scheduler.budget into a copy of every policy (OUT/policies/*.yaml);
 --memory-limit caps the managed memory of every run (pool.max_reserved: past it, OOM). A budget
@@ -37,7 +39,7 @@ from um_alloc.policy import TagAdvice, load_policy
 
 SHIPPED = [("none", "no advice, no prefetch: pages move on faults only; reactive eviction under a budget"),
            ("worst", "the opposite of best: everything prefers the CPU, nothing is prefetched"),
-           ("best", "Choi & Lee's advice plus prefetch; under a budget: hard, activations offloaded")]
+           ("best", "Choi & Lee's advice plus prefetch; under a budget: hard, the block planner")]
 NEEDS_BUDGET = "needs --budget (it changes only what happens under a budget)"
 WINDOWS = ("256MiB", "1GiB", "4GiB")
 REACTIVE = {"evict_live": True}  # over the budget, evict live chunks and let faults bring them back
@@ -67,17 +69,22 @@ def ablations() -> list[tuple[str, dict, str, bool]]:
     advice = {t: {**a, "prefetch": False} for t, a in tags.items()}
     prefetch = {t: {"prefetch": True} for t, a in tags.items() if a["prefetch"]}
     hard = {"evict_live": False}
+    planner = {**hard, "strategy": best.scheduler.strategy}
     offload = {**hard, "offload_activations": True}
     host_state = {**tags, "optimizer_state": {"preferred_location": "cpu", "accessed_by": ["gpu"]}}
-    out = [("advice_only", {"tags": advice, "scheduler": offload}, "best's hints, no prefetch", False),
-           ("prefetch_only", {"tags": prefetch, "scheduler": offload}, "best's prefetches, no hints", False),
-           ("offload_off", {"tags": tags, "scheduler": hard}, "best's hard budget, activations not offloaded", True),
+    out = [("advice_only", {"tags": advice, "scheduler": planner}, "best's hints, no prefetch", False),
+           ("prefetch_only", {"tags": prefetch, "scheduler": planner}, "best's prefetches, no hints", False),
+           ("offload", {"tags": tags, "scheduler": offload},
+            "best's hints, activations beyond the budget moved to host memory, none recomputed", True),
+           ("checkpoint", {"tags": tags, "scheduler": {**hard, "strategy": "checkpoint"}},
+            "best's hints, every block recomputed", True),
+           ("planner_off", {"tags": tags, "scheduler": hard}, "best's hard budget alone, activations not planned", True),
            ("evict_reactive", {"tags": tags, "scheduler": REACTIVE},
             "best's hints, reactive budget: LRU chunks to the host, faults back", True),
-           ("evict_host_mapped", {"tags": host_state, "scheduler": offload},
+           ("evict_host_mapped", {"tags": host_state, "scheduler": planner},
             "best, and optimizer state host-mapped (GPU writes it over the link)", True)]
     out += [(f"window_{size}", {"tags": tags, "scheduler": {**offload, "schedule_window": size}},
-             f"best, schedule_window {size}", True) for size in WINDOWS]
+             f"the offload, schedule_window {size}", True) for size in WINDOWS]
     return out
 
 

@@ -97,7 +97,7 @@ def _add_memory_savers(p) -> None:
                    help="save_on_cpu: keep saved activations in (pinned) host memory; activations (stock only): "
                         "um_alloc's ActivationOffload sized to --memory-limit: keeps what fits, copies the rest "
                         "out and back on side streams, rebuilds in backward what it can (under um_alloc a policy "
-                        "with scheduler.offload_activations: true, such as best.yaml, does this)")
+                        "with scheduler.offload_activations: true, such as offload.yaml, does this)")
     p.add_argument("--offload-window", metavar="SIZE",
                    help="activation offload: bytes of copies back in flight ahead of backward "
                         "(default: the policy's scheduler.schedule_window, else 1GiB)")
@@ -210,7 +210,7 @@ def check_offload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         return
     if args.allocator == "um":
         parser.error("--offload activations is for --allocator stock; under um_alloc use a policy with "
-                     "scheduler.offload_activations: true, such as best.yaml, and a --budget")
+                     "scheduler.offload_activations: true, such as offload.yaml, and a --budget")
     clash = _offload_clash(args, with_offload=False)
     if clash:
         parser.error(f"--offload activations does not combine with {', '.join(clash)}")
@@ -241,7 +241,7 @@ def check_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if not policy.scheduler.offload_activations:
         if _offload_tuning(args):
             parser.error(f"{', '.join(_offload_tuning(args))}: policy {policy.name!r} does not offload activations "
-                         "(scheduler.offload_activations: false); use one that does, such as best.yaml")
+                         "(scheduler.offload_activations: false); use one that does, such as offload.yaml")
         return
     clash = _offload_clash(args, with_offload=True)
     if clash:

@@ -45,7 +45,7 @@ def test_every_method_is_a_train_py_run_with_phases_and_link_rates(planned):
     for method in ("offload", "offload_hostopt", "offload_moveall", "offload_stock"):
         assert value(planned[method], "--offload-window") == "2GiB"
     assert "--no-rebuild" in planned["offload_moveall"] and "--no-rebuild" not in planned["offload"]
-    assert value(planned["offload"], "--policy") == value(planned["offload_moveall"], "--policy") == "best.yaml"
+    assert value(planned["offload"], "--policy") == value(planned["offload_moveall"], "--policy") == "offload.yaml"
 
 
 def test_reactive_says_evict_live_and_hostopt_offloads_activations(planned):
@@ -103,7 +103,7 @@ def test_one_invocation_writes_records_with_one_run_id_and_ratios_to_its_stock(t
         assert set(harness.PROTOCOL_FIELDS) <= set(record)
     assert records["stock"]["ratio_vs_stock"] == 1.0 and records["stock"]["budget_bytes"] is None
     assert records["offload"]["ratio_vs_stock"] == pytest.approx(0.5) and records["offload"]["budget_bytes"] == 16 * GiB
-    assert records["offload"]["method"] == "offload" and records["offload"]["policy"] == "best.yaml"
+    assert records["offload"]["method"] == "offload" and records["offload"]["policy"] == "offload.yaml"
     assert records["reactive"]["status"] == "oom" and records["reactive"]["samples_per_s"] is None
     assert records["reactive"]["raw"] is None and records["reactive"]["transfer_bound"] is None
     assert records["save_on_cpu"]["transfer_bound"] is None  # nothing an activation offload moved

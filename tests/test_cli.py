@@ -36,7 +36,7 @@ def test_check_shipped_policies_exit_0():
     assert "parameter=gpu/by:gpu/prefetch" in lines[0] and "input=read_mostly/prefetch" in lines[0]
     assert lines[1].endswith("advice: none)")
     assert "activation=cpu/by:cpu" in lines[2]
-    assert "budget none (hard, offload activations)" in lines[0] and "budget none (hard)" in lines[1]
+    assert "budget none (hard, block planner)" in lines[0] and "budget none (hard)" in lines[1]
     assert result.stderr == ""
 
 
@@ -82,7 +82,7 @@ def test_check_reports_every_bad_file_and_exits_1(tmp_path):
     assert f"FAIL  {bad}: tags.parameter.preferred_location: invalid value" in err
     assert "got 'gpuu'; allowed: gpu, cpu, none" in err
     assert f"FAIL  {broken}: line 2, column 1: YAML syntax error" in err
-    assert "absent.yaml: policy file not found; packaged policies: best, host_optimizer, large_batch, none, planner, worst" in err
+    assert "absent.yaml: policy file not found; packaged policies: best, host_optimizer, large_batch, none, offload, planner, worst" in err
     assert "3 of 4 policies failed" in err
 
 

@@ -31,7 +31,7 @@ GiB, MiB = 1 << 30, 1 << 20
 # A tiny BERT under the activation offload at 1 GiB; deterministic kernels, dropout on (its RNG
 # state is in the checkpoint). 12 steps, a checkpoint every 4.
 TRAIN_ARGS = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--steps", "12", "--checkpoint-every", "4",
-              "--deterministic", "--policy", "best.yaml", "--budget", "1GiB"]
+              "--deterministic", "--policy", "offload.yaml", "--budget", "1GiB"]
 
 
 # --- soak -----------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_a_batch_too_large_in_calibration_then_a_smaller_one_trains(cuda_device)
 # --- two processes, one GPU -----------------------------------------------------------------------
 
 def test_two_processes_on_one_gpu_each_under_its_own_cap(cuda_device, tmp_path):
-    workers = {"planner": ("planner.yaml", "3GiB", "1536MiB"), "offload": ("best.yaml", "4GiB", "1GiB")}
+    workers = {"planner": ("planner.yaml", "3GiB", "1536MiB"), "offload": ("offload.yaml", "4GiB", "1GiB")}
     ready = tmp_path / "ready"
     ready.mkdir()
     children = {}

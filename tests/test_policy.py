@@ -34,7 +34,8 @@ def error_of(tmp_path, text, name="p.yaml"):
 # ---------------------------------------------------------------- shipped policies
 def test_packaged_dir_holds_the_shipped_policies():
     assert sorted(p.name for p in packaged_policies_dir().glob("*.yaml")) == [
-        "best.yaml", "host_optimizer.yaml", "large_batch.yaml", "none.yaml", "planner.yaml", "worst.yaml"]
+        "best.yaml", "host_optimizer.yaml", "large_batch.yaml", "none.yaml", "offload.yaml", "planner.yaml",
+        "worst.yaml"]
 
 
 def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
@@ -42,7 +43,7 @@ def test_host_optimizer_is_best_with_host_mapped_state_and_a_hard_budget():
 
     best, host = load_policy("best"), load_policy("host_optimizer")
     assert host.scheduler.evict_live is False and best.scheduler.evict_live is False
-    assert best.scheduler.offload_activations and not host.scheduler.offload_activations
+    assert best.scheduler.strategy == "auto" and host.scheduler.strategy == "none"
     assert [t for t in TAGS if host_mapped(host.tags[t])] == ["optimizer_state", "spill"]
     assert {t: host.tags[t] for t in TAGS if t != "optimizer_state"} == \
         {t: best.tags[t] for t in TAGS if t != "optimizer_state"}
@@ -219,12 +220,12 @@ def test_missing_file_lists_packaged_names(tmp_path):
         load_policy(tmp_path / "absent.yaml")
     message = str(info.value)
     assert "absent.yaml: policy file not found" in message
-    assert "packaged policies: best, host_optimizer, large_batch, none, planner, worst" in message
+    assert "packaged policies: best, host_optimizer, large_batch, none, offload, planner, worst" in message
 
 
 def test_unknown_bare_name():
     with pytest.raises(PolicyError, match="bestest: policy file not found; packaged policies: "
-                                          "best, host_optimizer, large_batch, none, planner, worst"):
+                                          "best, host_optimizer, large_batch, none, offload, planner, worst"):
         resolve_policy_path("bestest")
 
 
@@ -437,8 +438,9 @@ def test_strategy_is_checked_and_offload_activations_is_its_offload():
         assert policy.scheduler.offload_activations and not policy.scheduler.evict_live
 
 
-def test_planner_is_best_with_the_block_planner():
-    best, planner = load_policy("best.yaml"), load_policy("planner.yaml")
-    assert planner.tags == best.tags and planner.pool == best.pool
-    assert (planner.scheduler.strategy, best.scheduler.strategy) == ("auto", "offload")
-    assert planner.scheduler.offload_activations is False
+def test_best_plans_blocks_as_planner_does_and_offload_moves_activations_with_the_same_hints():
+    best, planner, offload = load_policy("best.yaml"), load_policy("planner.yaml"), load_policy("offload.yaml")
+    assert planner.tags == best.tags == offload.tags and planner.pool == best.pool == offload.pool
+    assert planner.scheduler == best.scheduler and best.scheduler.strategy == "auto"
+    assert best.scheduler.offload_activations is False
+    assert offload.scheduler.strategy == "offload" and offload.scheduler.offload_activations

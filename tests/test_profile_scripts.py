@@ -53,8 +53,8 @@ def test_policy_plan_runs_the_default_set_and_lists_budget_ablations_as_skipped(
     runs = compare_policies.plan(args, tmp_path)
     names = [r.name for r in runs]
     assert names[:5] == ["none", "worst", "best", "advice_only", "prefetch_only"]
-    assert names[5:] == ["offload_off", "evict_reactive", "evict_host_mapped", "window_256MiB", "window_1GiB",
-                         "window_4GiB"]
+    assert names[5:] == ["offload", "checkpoint", "planner_off", "evict_reactive", "evict_host_mapped",
+                         "window_256MiB", "window_1GiB", "window_4GiB"]
     assert [r.name for r in runs if not r.skip] == names[:5]
     assert all(r.skip.startswith("needs --budget") for r in runs[5:])
     best = runs[2].train_args
@@ -70,16 +70,21 @@ def test_budget_ablations_change_one_thing_each_and_every_policy_gets_the_budget
     policy = {name: load_policy(r.train_args[r.train_args.index("--policy") + 1]) for name, r in runs.items()}
     assert all(p.scheduler.budget == 4 * 2**30 for p in policy.values())
     best = load_policy("best")
-    assert policy["best"].scheduler.offload_activations and not policy["best"].scheduler.evict_live
-    assert not policy["offload_off"].scheduler.offload_activations and not policy["offload_off"].scheduler.evict_live
-    assert policy["evict_reactive"].scheduler.evict_live and not policy["evict_reactive"].scheduler.offload_activations
+    assert policy["best"].scheduler.strategy == "auto" and not policy["best"].scheduler.evict_live
+    for name in ("advice_only", "prefetch_only", "evict_host_mapped"):  # best's scheduler: the planner
+        assert policy[name].scheduler.strategy == "auto" and not policy[name].scheduler.offload_activations
+    assert policy["offload"].scheduler.strategy == "offload" and policy["offload"].scheduler.offload_activations
+    assert policy["checkpoint"].scheduler.strategy == "checkpoint"
+    assert policy["planner_off"].scheduler.strategy == "none" and not policy["planner_off"].scheduler.evict_live
+    assert policy["evict_reactive"].scheduler.evict_live and policy["evict_reactive"].scheduler.strategy == "none"
     assert policy["evict_host_mapped"].tags["optimizer_state"].preferred_location == "cpu"
-    assert policy["evict_host_mapped"].scheduler.offload_activations
     for size in ("256MiB", "1GiB", "4GiB"):
         window = policy[f"window_{size}"]
         assert window.scheduler.schedule_window == {"256MiB": 2**28, "1GiB": 2**30, "4GiB": 2**32}[size]
         assert window.scheduler.offload_activations and dict(window.tags) == dict(best.tags)
-    assert dict(policy["offload_off"].tags) == dict(best.tags) == dict(policy["evict_reactive"].tags)
+    for name in ("offload", "checkpoint", "planner_off", "evict_reactive"):
+        assert dict(policy[name].tags) == dict(best.tags)
+    assert dict(load_policy("offload").tags) == dict(best.tags)  # the shipped offload.yaml: best's hints too
     assert policy["worst"].tags["parameter"].preferred_location == "cpu"
     assert "--memory-limit" not in runs["best"].train_args
     assert policy["none"].scheduler.evict_live and not policy["best"].scheduler.evict_live  # reactive: explicit
@@ -118,7 +123,7 @@ def test_policy_comparison_writes_table_and_charts(tmp_path):
     paths = compare_policies.report(rows, tmp_path, args)
     table = {r["name"]: r for r in csv.DictReader((tmp_path / "policies.csv").open())}
     assert float(table["best"]["ratio_vs_none"]) == pytest.approx(0.080 / 0.072)
-    assert table["worst"]["status"] == "oom" and table["offload_off"]["status"] == "skipped"
+    assert table["worst"]["status"] == "oom" and table["planner_off"]["status"] == "skipped"
     assert float(table["best"]["gpu_page_faults"]) == 72.0 and table["best"]["run_id"] == "compare_policies-1"
     md = (tmp_path / "policies.md").read_text()
     assert "run_id compare_policies-1, on fake, 2026-11-22." in md

@@ -197,7 +197,7 @@ def test_cuda_without_a_gpu_says_so(capsys):
 @pytest.mark.parametrize("flags", [["--micro-batch", "4"], ["--offload", "save_on_cpu"], ["--checkpointing"]])
 def test_a_policy_that_offloads_activations_refuses_other_memory_savers(flags, capsys):
     parser = train.build_parser()
-    args = parser.parse_args(["--policy", "best.yaml", *flags])
+    args = parser.parse_args(["--policy", "offload.yaml", *flags])
     with pytest.raises(SystemExit):
         train.check_policy(parser, args)
     assert f"offloads activations (scheduler.offload_activations: true), which does not combine with {flags[0]}" \
