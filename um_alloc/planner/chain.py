@@ -32,7 +32,18 @@ import torch.utils._pytree as pytree
 from ..rebuild import as_saved
 from .rerun import AutocastState, RngState
 
-__all__ = ["RerunChain"]
+__all__ = ["RerunChain", "CHAINS_OFF", "takes_output"]
+
+CHAINS_OFF = "turn chains off (chains=False, or scheduler.chains: false in the policy)"
+
+
+def takes_output(tail: tuple | None, unit: int, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of `unit` takes `tail`'s output, unchanged, as its one argument: `tail` is
+    (the unit before it, a weak reference to that unit's output, the output's version)."""
+    if tail is None or kwargs or len(args) != 1:
+        return False
+    last, output, version = tail
+    return last == unit - 1 and args[0] is output() and args[0]._version == version
 
 
 class _Link:
@@ -78,10 +89,7 @@ class RerunChain:
         """Whether a call of `unit` takes this chain's last output, unchanged, as its one argument,
         and that output is the unit before it's. Asked once: the chain lets go of that output."""
         tail, self._tail = self._tail, None
-        if tail is None or kwargs or len(args) != 1:
-            return False
-        last, output, version = tail
-        return last == unit - 1 and args[0] is output() and args[0]._version == version
+        return takes_output(tail, unit, args, kwargs)
 
     def close(self) -> None:
         """No unit continues the chain: let go of its last output."""
@@ -129,8 +137,7 @@ class RerunChain:
             raise RuntimeError(
                 f"planner: {link.name}, rerun in backward as part of a chain of recomputed units, saved "
                 f"{len(rerun)} tensors where its forward saved {len(link.saved)} (or of other shapes or types): its "
-                "forward does not compute the same thing again. Turn chains off (chains=False, or scheduler.chains: "
-                "false in the policy)")
+                f"forward does not compute the same thing again: {CHAINS_OFF}")
         for n, tensor in enumerate(seen):
             if (k, n) not in self._taken:
                 self._ready[(k, n)] = tensor

@@ -61,7 +61,7 @@ from ..rebuild import as_saved, broadcast
 from ..tensor_trees import is_dtensor, tensors as _tensors
 from .arenas import StepArenas
 from .blocks import Unit
-from .chain import RerunChain
+from .chain import CHAINS_OFF, RerunChain, takes_output
 from .lean_loss import LeanLoss
 from .planning import Decision
 from .record import StepRecorder
@@ -74,7 +74,6 @@ __all__ = ["Runtime", "StepSpec", "SAVED_OPS", "input_signature"]
 MiB = 1 << 20
 MOST_FORWARDS_A_STEP = 16   # forwards a step gathers before backward; past them the step is closed
 RERUN_ALONE_SHARE = 8       # a gap's rerun is timed on an eighth of its batch (_rerun_alone)
-CHAINS_OFF = "turn chains off (chains=False, or scheduler.chains: false in the policy)"
 RECOMPUTE_OFF = ("leave 'recompute' and 'selective' out of the planner's decisions (their _moved forms recompute "
                  "from copies taken at the end of the forward)")
 log = logging.getLogger("um_alloc.planner")
@@ -556,8 +555,7 @@ class Runtime:
         """Whether this call takes the unit before's last output, unchanged, as its one argument.
         In the probed step, the unit before, if a gap, is then timed rerunning alone."""
         last, self._last_out = self._last_out, None
-        follows = (last is not None and last[0] == index - 1 and not kwargs and len(args) == 1
-                   and args[0] is last[1]() and args[0]._version == last[2])
+        follows = takes_output(last, index, args, kwargs)
         step.spec.recorder.units[index].links.append(follows)
         before, self._last_call = self._last_call, None
         if follows and before is not None and before[0] == index - 1:
