@@ -432,6 +432,7 @@ class BlockPlanner:
         shape.measured_overflow = recorder.overflowed_bytes
         shape.calibrated += 1
         if probed:
+            cal = self._with_alone_times(cal, recorder)
             shape.first = {j: {name: getattr(u, name) for name in _first_step_figures(u)}
                            for j, u in enumerate(cal.units)}
             shape.recipes = recorder.recipes()
@@ -451,6 +452,25 @@ class BlockPlanner:
         groups = [u.class_name for u in self.units] + [None]
         shape.calibration = pool_repeats(_with_first_step(cal, shape.first), groups)
         self._plan_shape(shape)
+
+    def _with_alone_times(self, cal: Calibration, recorder: StepRecorder) -> Calibration:
+        """`cal` with each block's forward and backward run by itself (alone.py), now that nothing
+        of the probed step is in flight. They allocate from the step arenas, as a step does, and
+        never overflow to host memory, whose reads over the link would be timed instead: a block
+        the budget cannot hold by itself is priced from the safe step."""
+        arenas = self._runtime.arenas
+        arenas.allow_overflow(0)
+        arenas.open()
+        try:
+            timed = recorder.alone.time()
+        finally:
+            arenas.close()
+            arenas.allow_overflow(self.overflow)
+        self._ooms = self._probe.out_of_memory_count()  # one that did not fit is not the next step's
+        units = list(cal.units)
+        for j, alone in timed.items():
+            units[j] = replace(units[j], alone_forward_s=alone.forward_s, alone_backward_s=alone.backward_s)
+        return replace(cal, units=tuple(units))
 
     def _probed_link(self) -> float:
         self._link = self._link or link_rate(self.device)
@@ -764,7 +784,7 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
 # Measured in the first calibration step only (it runs the probes, which slow it down); the time
 # and the bytes of everything else come from the second.
 _FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s",
-                       "rebuild_forward_cpu_s")
+                       "rebuild_forward_cpu_s", "alone_forward_s", "alone_backward_s")
 # A gap's rerun, which only the probed step times (chain.py): the safe step moves gaps.
 _FIRST_STEP_GAP_FIGURES = ("recompute_s", "recompute_cpu_s", "input_bytes")
 

@@ -109,6 +109,8 @@ class UnitCost:
     rebuild_forward_cpu_s: float = 0.0  # the host's time, in forward, of finding what to rebuild
     follows: bool = False        # each call's one argument was the output of the unit before it (chain.py)
     changes_input: bool = False  # its forward changed its argument in place (an in-place ReLU)
+    alone_forward_s: float = 0.0   # a block's forward run by itself after the probed step (alone.py); 0: not run
+    alone_backward_s: float = 0.0  # and its backward
 
     @property
     def backward_reaches(self) -> bool:
@@ -260,17 +262,33 @@ class Calibration:
         """The step with everything kept. In the safe step each block ran its forward twice: once
         with the safe mode's copies and checkpoint's bookkeeping around it (forward_s), once in
         backward (recompute_s). Kept, it runs once, as fast as its kept forward (kept_forward_s).
-        The safe step's own copies out are taken as hidden under the forward close by (leads()):
-        its forward waits on the host, which leaves the link room that a planned step's does not.
+        The safe step's own copies out are taken as hidden under the forward close by (leads()).
+        What else a unit spent waiting for its copies is taken off as the link's time beyond
+        the compute around it; a block timed by itself after the probed step (alone.py) gives
+        up what its forward and backward took in the safe step beyond that, where that is more.
         What the GPU stood waiting for copies back (copy_stalls_s) is recorded beside it, not
         taken off: on one H200, Swin's safe step waited 1.7 ms of its 121 (the base, 74 ms, was
         1.17 times stock's step), so the waits are not what makes the base longer than stock's."""
         kept = self.kept_forward_s()
         rerun = sum(u.forward_s + u.recompute_s - k for u, k in zip(self.units, kept) if u.kind == "block")
-        waited = sum(max(u.cost_s(SAFE[u.kind], self.link_bytes_per_s, lead_s=lead) - u.cost_s(SAFE[u.kind]),
-                         self._stalled_on_copies_s(u))
-                     for u, lead in zip(self.units, self.leads(1.0)))
-        return max(self.step_s - rerun - waited, 0.0)
+        beyond = sum(max(self._waited_s(u, lead), self._beyond_alone_s(u, k))
+                     for u, k, lead in zip(self.units, kept, self.leads(1.0)))
+        return max(self.step_s - rerun - beyond, 0.0)
+
+    def _waited_s(self, unit: UnitCost, lead_s: float) -> float:
+        """What the unit's copies in the safe mode held the step up, by the link's rate."""
+        safe = SAFE[unit.kind]
+        return max(unit.cost_s(safe, self.link_bytes_per_s, lead_s=lead_s) - unit.cost_s(safe),
+                   self._stalled_on_copies_s(unit))
+
+    @staticmethod
+    def _beyond_alone_s(unit: UnitCost, kept_forward_s: float) -> float:
+        """What a block's kept forward and its backward took in the safe step beyond the same
+        block run by itself: the safe mode's waits and its bookkeeping. 0 where it was not run."""
+        alone = unit.alone_forward_s + unit.alone_backward_s
+        if unit.kind != "block" or alone <= 0:
+            return 0.0
+        return max(kept_forward_s + unit.backward_s - alone, 0.0)
 
     def _stalled_on_copies_s(self, unit: UnitCost) -> float:
         """What a gap's forward in the safe step spent on its copies out: the GPU's time beyond the
@@ -688,7 +706,8 @@ def _backtrack(options, picks, f, r, c, unit_bytes, link_unit_bytes) -> list[int
 
 # What a unit's computation takes, as against where it sits in the step (hide_s) or what it holds.
 COMPUTE_FIGURES = ("forward_s", "recompute_s", "matmul_s", "forward_cpu_s", "recompute_cpu_s", "backward_s",
-                   "backward_cpu_s", "rebuild_s", "rebuild_cpu_s", "rebuild_forward_cpu_s")
+                   "backward_cpu_s", "rebuild_s", "rebuild_cpu_s", "rebuild_forward_cpu_s", "alone_forward_s",
+                   "alone_backward_s")
 
 
 def pool_repeats(cal: Calibration, groups: list) -> Calibration:

@@ -1,0 +1,179 @@
+"""Each distinct block's forward and backward, timed by itself once the probed step is over.
+
+The planner prices a plan from the step with everything kept (Calibration.base_step_s), which no
+step under the budget runs: it comes from the safe step, whose blocks run wrapped in the safe
+mode (their inputs copied out, checkpoint's bookkeeping), rerun in backward beside the copies
+coming back, and wait for those copies. Taking the reruns and the modelled waits out of that
+step left ResNet-50's base at 1.45 times stock's step at batch 176 on one H200, and the median
+record's at 1.27 times (bench/replay_predictions.py). A kept block runs none of that.
+
+So the probed step notes each distinct block call (the block's class and the shapes, strides and
+dtypes of its tensor arguments) and, once that step is over and nothing is in flight, each one
+runs again by itself: its forward, then its backward to its inputs and parameters through
+torch.autograd.grad (no .grad is touched), twice, the second timed on CUDA events. Its tensor
+arguments are new tensors of the same shapes, strides and dtypes (random floating values; other
+tensors are the call's own), its buffers copies of the forward's, the RNG's state as it was, and
+autocast as the call had it. A call that fails (a block that needs its real inputs, parameters
+only its wrapper gathers) or that the budget cannot hold leaves its block without the figures,
+and the base prices that block from the safe step as before.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .rerun import AutocastState
+
+__all__ = ["AloneCalls", "AloneTime"]
+
+log = logging.getLogger("um_alloc.planner")
+
+TIMED_RUNS = 2  # the first run of a shape may pick kernels (cudnn.benchmark) and warm caches
+
+
+@dataclass(frozen=True)
+class AloneTime:
+    """One block call run by itself: its forward and its backward on the GPU's clock (the host's on
+    the CPU), each from when the host began issuing it to when the GPU was done with it."""
+    forward_s: float
+    backward_s: float
+
+    def __add__(self, other: "AloneTime") -> "AloneTime":
+        return AloneTime(self.forward_s + other.forward_s, self.backward_s + other.backward_s)
+
+
+@dataclass(frozen=True)
+class _FreshTensor:
+    """A floating tensor argument, as a new tensor of its shape is made."""
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def make(self) -> torch.Tensor:
+        made = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device).normal_()
+        return made.requires_grad_(self.requires_grad)
+
+
+class _Call:
+    """A block call as the probed step made it, to make again."""
+
+    def __init__(self, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict, buffers):
+        self.name, self.forward, self.buffers = name, forward, buffers
+        self.parameters = [p for p in module.parameters() if p.requires_grad]
+        self.autocast = AutocastState(_device_type(args, kwargs))
+        leaves, self._spec = pytree.tree_flatten((args, kwargs))
+        self._leaves = [_FreshTensor(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+                        if _floating(t) else t for t in leaves]
+
+    def arguments(self) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """New arguments, and those of them backward differentiates."""
+        leaves = [v.make() if isinstance(v, _FreshTensor) else v for v in self._leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        return args, kwargs, [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class AloneCalls:
+    """The distinct block calls of one step, each timed by itself after the step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._calls: dict[tuple, _Call] = {}
+        self._made: list[tuple[int, tuple]] = []  # (unit, key) per call, in the step's order
+
+    def note(self, unit: int, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict,
+             buffers: Callable) -> None:
+        """A call of block `unit` in the probed step, before it runs. `buffers()`: its buffers as
+        this forward finds them, with swap_in() and put_back() (replay._BuffersBefore)."""
+        key = (type(module), _shapes((args, kwargs)))
+        if key not in self._calls:
+            self._calls[key] = _Call(name, module, forward, args, kwargs, buffers())
+        self._made.append((unit, key))
+
+    def time(self) -> dict[int, AloneTime]:
+        """Per unit, its calls' times summed, each distinct call run once; units whose call failed
+        are left out. Runs on the caller's stream, and synchronizes."""
+        timed = {key: self._timed(call) for key, call in self._calls.items()}
+        per_unit: dict[int, AloneTime | None] = {}
+        for unit, key in self._made:
+            found, before = timed[key], per_unit.get(unit, AloneTime(0.0, 0.0))
+            per_unit[unit] = None if found is None or before is None else before + found
+        self._calls.clear()
+        self._made.clear()
+        return {unit: t for unit, t in per_unit.items() if t is not None}
+
+    def _timed(self, call: _Call) -> AloneTime | None:
+        self._synchronize()
+        kept = call.buffers.swap_in()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), call.autocast.restored(), torch.enable_grad():
+                for _ in range(TIMED_RUNS):
+                    found = self._run(call)
+                    self._synchronize()
+            return found.seconds()
+        except Exception as error:  # noqa: BLE001 (a probe: the block is priced from the safe step)
+            log.info("planner: %s did not run by itself (%s); the base prices it from the safe step",
+                     call.name, str(error).splitlines()[0][:200])
+            return None
+        finally:
+            type(call.buffers).put_back(kept)
+
+    def _run(self, call: _Call) -> "_Clocks":
+        args, kwargs, differentiated = call.arguments()
+        clocks = _Clocks(self.device)
+        out = call.forward(*args, **kwargs)
+        clocks.tick()
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrt = differentiated + call.parameters
+        if outputs and wrt:
+            torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        clocks.tick()
+        return clocks
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _Clocks:
+    """A start and the ticks after it: CUDA events on a GPU, the host's clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._ticks = [self._now()]
+
+    def tick(self) -> None:
+        self._ticks.append(self._now())
+
+    def seconds(self) -> AloneTime:
+        spans = [(b.elapsed_time(a) / 1e3 if self._cuda else a - b) for b, a in zip(self._ticks, self._ticks[1:])]
+        return AloneTime(*spans)
+
+    def _now(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+def _floating(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and not isinstance(value, nn.Parameter)
+
+
+def _shapes(values) -> tuple:
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+                 for t in pytree.tree_leaves(values))
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return tensors[0].device.type if tensors else "cpu"
