@@ -1,4 +1,4 @@
-"""Each distinct block's forward and backward, timed by itself once the probed step is over.
+"""Each distinct unit's forward and backward, timed by itself once the probed step is over.
 
 The planner prices a plan from the step with everything kept (Calibration.base_step_s), which no
 step under the budget runs: it comes from the safe step, whose blocks run wrapped in the safe

@@ -109,7 +109,7 @@ class UnitCost:
     rebuild_forward_cpu_s: float = 0.0  # the host's time, in forward, of finding what to rebuild
     follows: bool = False        # each call's one argument was the output of the unit before it (chain.py)
     changes_input: bool = False  # its forward changed its argument in place (an in-place ReLU)
-    alone_forward_s: float = 0.0   # a block's forward run by itself after the probed step (alone.py); 0: not run
+    alone_forward_s: float = 0.0   # its forward run by itself after the probed step (alone.py); 0: not run
     alone_backward_s: float = 0.0  # and its backward
 
     @property
@@ -264,7 +264,7 @@ class Calibration:
         backward (recompute_s). Kept, it runs once, as fast as its kept forward (kept_forward_s).
         The safe step's own copies out are taken as hidden under the forward close by (leads()).
         What else a unit spent waiting for its copies is taken off as the link's time beyond
-        the compute around it; a block timed by itself after the probed step (alone.py) gives
+        the compute around it; a unit timed by itself after the probed step (alone.py) gives
         up what its forward and backward took in the safe step beyond that, where that is more.
         What the GPU stood waiting for copies back (copy_stalls_s) is recorded beside it, not
         taken off: on one H200, Swin's safe step waited 1.7 ms of its 121 (the base, 74 ms, was
@@ -283,10 +283,10 @@ class Calibration:
 
     @staticmethod
     def _beyond_alone_s(unit: UnitCost, kept_forward_s: float) -> float:
-        """What a block's kept forward and its backward took in the safe step beyond the same
-        block run by itself: the safe mode's waits and its bookkeeping. 0 where it was not run."""
+        """What a unit's kept forward and its backward took in the safe step beyond the same
+        unit run by itself: the safe mode's waits and its bookkeeping. 0 where it was not run."""
         alone = unit.alone_forward_s + unit.alone_backward_s
-        if unit.kind != "block" or alone <= 0:
+        if alone <= 0:
             return 0.0
         return max(kept_forward_s + unit.backward_s - alone, 0.0)
 

@@ -419,7 +419,7 @@ class Runtime:
         recorder = step.spec.recorder
         follows = self._note_link(step, index, args, kwargs) if recorder else False
         versions = [a._version for a in args if isinstance(a, torch.Tensor)] if recorder else None
-        if recorder and step.spec.count_ops and self.units[index].kind == "block" and torch.is_grad_enabled():
+        if recorder and step.spec.count_ops and torch.is_grad_enabled():
             unit = self.units[index]
             recorder.alone.note(index, unit.name, unit.module, forward, args, kwargs,
                                 functools.partial(_BuffersBefore, self._buffers[index]))
