@@ -7,15 +7,15 @@ coming back, and wait for those copies. Taking the reruns and the modelled waits
 step left ResNet-50's base at 1.45 times stock's step at batch 176 on one H200, and the median
 record's at 1.27 times (bench/replay_predictions.py). A kept block runs none of that.
 
-So the probed step notes each distinct block call (the block's class and the shapes, strides and
-dtypes of its tensor arguments) and, once that step is over and nothing is in flight, each one
-runs again by itself: its forward, then its backward to its inputs and parameters through
+So the probed step notes each distinct unit call (the module's class and the shapes, strides and
+dtypes of its tensor arguments: a block's, or a gap's) and, once that step is over and nothing
+is in flight, each one runs again by itself: its forward, then its backward to its inputs and parameters through
 torch.autograd.grad (no .grad is touched), twice, the second timed on CUDA events. Its tensor
 arguments are new tensors of the same shapes, strides and dtypes (random floating values; other
 tensors are the call's own), its buffers copies of the forward's, the RNG's state as it was, and
-autocast as the call had it. A call that fails (a block that needs its real inputs, parameters
-only its wrapper gathers) or that the budget cannot hold leaves its block without the figures,
-and the base prices that block from the safe step as before.
+autocast as the call had it. A call that fails (a unit that needs its real inputs, parameters
+only its wrapper gathers) or that the budget cannot hold leaves its unit without the figures,
+and the base prices that unit from the safe step as before.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ TIMED_RUNS = 2  # the first run of a shape may pick kernels (cudnn.benchmark) an
 
 @dataclass(frozen=True)
 class AloneTime:
-    """One block call run by itself: its forward and its backward on the GPU's clock (the host's on
+    """One unit call run by itself: its forward and its backward on the GPU's clock (the host's on
     the CPU), each from when the host began issuing it to when the GPU was done with it."""
     forward_s: float
     backward_s: float
@@ -63,7 +63,7 @@ class _FreshTensor:
 
 
 class _Call:
-    """A block call as the probed step made it, to make again."""
+    """A unit call as the probed step made it, to make again."""
 
     def __init__(self, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict, buffers):
         self.name, self.forward, self.buffers = name, forward, buffers
@@ -81,7 +81,7 @@ class _Call:
 
 
 class AloneCalls:
-    """The distinct block calls of one step, each timed by itself after the step."""
+    """The distinct unit calls of one step, each timed by itself after the step."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -90,7 +90,7 @@ class AloneCalls:
 
     def note(self, unit: int, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict,
              buffers: Callable) -> None:
-        """A call of block `unit` in the probed step, before it runs. `buffers()`: its buffers as
+        """A call of unit `unit` in the probed step, before it runs. `buffers()`: its buffers as
         this forward finds them, with swap_in() and put_back() (replay._BuffersBefore)."""
         key = (type(module), _shapes((args, kwargs)))
         if key not in self._calls:
@@ -119,7 +119,7 @@ class AloneCalls:
                     found = self._run(call)
                     self._synchronize()
             return found.seconds()
-        except Exception as error:  # noqa: BLE001 (a probe: the block is priced from the safe step)
+        except Exception as error:  # noqa: BLE001 (a probe: the unit is priced from the safe step)
             log.info("planner: %s did not run by itself (%s); the base prices it from the safe step",
                      call.name, str(error).splitlines()[0][:200])
             return None

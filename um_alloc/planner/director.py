@@ -454,9 +454,9 @@ class BlockPlanner:
         self._plan_shape(shape)
 
     def _with_alone_times(self, cal: Calibration, recorder: StepRecorder) -> Calibration:
-        """`cal` with each block's forward and backward run by itself (alone.py), now that nothing
+        """`cal` with each unit's forward and backward run by itself (alone.py), now that nothing
         of the probed step is in flight. They allocate from the step arenas, as a step does, and
-        never overflow to host memory, whose reads over the link would be timed instead: a block
+        never overflow to host memory, whose reads over the link would be timed instead: a unit
         the budget cannot hold by itself is priced from the safe step."""
         arenas = self._runtime.arenas
         arenas.allow_overflow(0)
