@@ -92,15 +92,26 @@ def test_a_block_that_fails_by_itself_is_left_out_and_said_so(caplog):
     assert "block0 did not run by itself (negative input); the base prices it from the safe step" in caplog.text
 
 
+class OutOfMemoryOnNegatives(nn.Module):
+    """Runs on the ReLU's output in training; by itself, on random values, it runs out of memory."""
+
+    def forward(self, x):
+        if bool((x < 0).any()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+        return x * 2
+
+
 class Stack(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Linear(8, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.picky = OutOfMemoryOnNegatives()
         self.layers = nn.ModuleList([Counted(16) for _ in range(3)])
         self.head = nn.Linear(16, 1)
 
     def forward(self, x):
-        x = self.embed(x)
+        x = self.picky(self.act(self.embed(x)))
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
@@ -121,17 +132,20 @@ def _losses(model, steps: int, planned: bool):
     return losses, planner
 
 
-def test_the_planner_times_its_units_by_themselves_and_trains_as_plain_autograd_does():
+def test_the_planner_times_its_units_by_themselves_and_trains_as_plain_autograd_does(caplog):
     torch.manual_seed(0)
     plain = Stack()
     planned = Stack()
     planned.load_state_dict(plain.state_dict())
     losses, _ = _losses(plain, 4, planned=False)
-    planned_losses, planner = _losses(planned, 4, planned=True)
+    with caplog.at_level(logging.INFO, logger="um_alloc.planner"):
+        planned_losses, planner = _losses(planned, 4, planned=True)
     assert planned_losses == losses
     units = {u.name: u for u in planner.calibration.units}
     assert all(units[name].alone_forward_s > 0 and units[name].alone_backward_s > 0
-               for name in ("embed", "layers.0", "layers.1", "layers.2", "head"))
+               for name in ("embed", "act", "layers.0", "layers.1", "layers.2", "head"))
+    assert units["picky"].alone_forward_s == units["picky"].alone_backward_s == 0
+    assert "picky did not run by itself (CUDA out of memory. Tried to allocate 1 TiB)" in caplog.text
     assert units["(outside the units)"].alone_forward_s == 0  # no module's call: not run by itself
     planner.remove()
 

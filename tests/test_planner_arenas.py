@@ -1,5 +1,7 @@
 """The planner's step arenas (um_alloc/planner/arenas.py): what a step allocates is kept apart
 from what outlasts it, and the step arenas are given back where a step lays activations out anew."""
+import contextlib
+
 import pytest
 import torch
 
@@ -28,6 +30,11 @@ class RecordedArenas:
 
     def open(self):
         self.events.append("open")
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        self.events.append("between steps")
+        yield
 
     def close(self):
         self.events.append("close")
@@ -79,6 +86,7 @@ def test_arenas_are_given_back_before_safe_steps_the_first_plan_and_a_retry():
         train_step(model, optimizer, ids, closed)
     assert planner.safe_steps == 2 and planner.plan is not None
     assert closed == [True] * 4  # every backward's end closed the step arenas before optimizer.step
+    assert model._recorded.events.count("between steps") == 1  # the probed step's units, run by themselves
 
     def out_of_memory(module, args):
         raise torch.OutOfMemoryError("stand-in: the budget is spent")

@@ -74,10 +74,17 @@ class _Call:
                         if _floating(t) else t for t in leaves]
 
     def arguments(self) -> tuple[tuple, dict, list[torch.Tensor]]:
-        """New arguments, and those of them backward differentiates."""
-        leaves = [v.make() if isinstance(v, _FreshTensor) else v for v in self._leaves]
+        """New arguments, and the tensors backward differentiates them from. An argument that
+        needs a gradient is a copy of such a tensor, not the tensor itself: the call's own was
+        made by the unit before, and a unit that changes its argument in place (an in-place
+        ReLU) may do so to it, never to a leaf."""
+        made = [v.make() if isinstance(v, _FreshTensor) else v for v in self._leaves]
+        leaves = [t.clone() if isinstance(v, _FreshTensor) and t.requires_grad else t
+                  for v, t in zip(self._leaves, made)]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        return args, kwargs, [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        own = {id(p) for p in self.parameters}
+        differentiated = [t for t in made if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in own]
+        return args, kwargs, differentiated
 
 
 class AloneCalls:

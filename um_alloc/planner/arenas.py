@@ -17,6 +17,8 @@ which waits for the device: the director calls it only where a layout changes).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -32,6 +34,7 @@ class StepArenas:
 
     def __init__(self, device: torch.device):
         self._pool = ChunkPool.for_device(device.index) if device.type == "cuda" and is_installed() else None
+        self._overflow = 0
         if self._pool is not None:
             _warm_up_blas(device)
 
@@ -53,8 +56,25 @@ class StepArenas:
     def allow_overflow(self, nbytes: int) -> None:
         """Up to `nbytes` of the step's large requests that the hard budget refuses go to host
         memory the GPU maps instead of failing (ChunkPool.set_overflow); 0: none."""
+        self._overflow = nbytes
         if self._pool is not None:
             self._pool.set_overflow(nbytes)
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        """Around work of a step's kind done between steps (units run by themselves, alone.py):
+        it allocates from the step arenas, as a step does, so that nothing of it is left among
+        the arenas that outlast steps, and never overflows to host memory."""
+        if self._pool is None:
+            yield
+            return
+        self._pool.set_overflow(0)
+        self._pool.set_step_arenas(True)
+        try:
+            yield
+        finally:
+            self._pool.set_step_arenas(False)
+            self._pool.set_overflow(self._overflow)
 
     def overflow_peak(self) -> int:
         """The most bytes held in host memory that way at once since the last call."""

@@ -458,14 +458,8 @@ class BlockPlanner:
         of the probed step is in flight. They allocate from the step arenas, as a step does, and
         never overflow to host memory, whose reads over the link would be timed instead: a unit
         the budget cannot hold by itself is priced from the safe step."""
-        arenas = self._runtime.arenas
-        arenas.allow_overflow(0)
-        arenas.open()
-        try:
+        with self._runtime.arenas.between_steps():
             timed = recorder.alone.time()
-        finally:
-            arenas.close()
-            arenas.allow_overflow(self.overflow)
         self._ooms = self._probe.out_of_memory_count()  # one that did not fit is not the next step's
         units = list(cal.units)
         for j, alone in timed.items():
