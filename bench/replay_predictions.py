@@ -19,6 +19,9 @@ every model, budget and host a benchmark has measured, before a GPU runs it. Per
   stalled     what the measuring step's GPU stood waiting for copies back (Calibration.copy_stalls_s),
               where the record's calibration timed it: part of what the base leaves out, or not
 
+The summary counts apart the records whose calibration also timed each distinct unit by itself
+(planner/alone.py), which the base uses; older records hold no such times.
+
 The summary also prices each plan from stock's measured step in place of the base, where the file
 holds it: the same decisions' costs on a base no calibration can give (stock's step needs the
 memory the budget denies), which shows how much of the error is the base's and how much the
@@ -82,6 +85,7 @@ def replay(record: dict, stock_step_s: float | None = None) -> dict | None:
             "error": plan.predicted_step_s / measured - 1 if measured else None,
             "kept_s": cal.base_step_s(), "stock_s": stock_step_s, "one_input": not record.get("lengths"),
             "stalled_s": cal.copy_stalls_s or None,
+            "alone": any(u.alone_forward_s > 0 for u in cal.units),
             "error_on_stock": _error_on_stock(plan.predicted_step_s - cal.base_step_s(), stock_step_s, measured)}
 
 
@@ -94,13 +98,17 @@ def _error_on_stock(decisions_s: float, stock_step_s: float | None, measured_s: 
 
 
 def summary(rows: list[dict]) -> dict:
-    """Over the records of one input shape with a measured step."""
+    """Over the records of one input shape with a measured step, and the same over those whose
+    calibration timed its units by themselves (`alone`)."""
     errors = [r["error"] for r in rows if r["error"] is not None and r["one_input"]]
+    alone = [r["error"] for r in rows if r["error"] is not None and r["one_input"] and r.get("alone")]
     kept_over_stock = [r["kept_s"] / r["stock_s"] for r in rows if r["stock_s"] and r["one_input"]]
     on_stock = [r["error_on_stock"] for r in rows if r.get("error_on_stock") is not None and r["one_input"]]
     return {"records": len(errors), "median_abs_error": statistics.median(map(abs, errors)) if errors else None,
             "within_15_percent": sum(abs(e) <= WITHIN for e in errors),
             "predicted_too_slow": sum(e > 0 for e in errors),
+            "alone": {"records": len(alone), "median_abs_error": statistics.median(map(abs, alone)) if alone else None,
+                      "within_15_percent": sum(abs(e) <= WITHIN for e in alone)},
             "median_kept_over_stock": statistics.median(kept_over_stock) if kept_over_stock else None,
             "on_stock": {"records": len(on_stock),
                          "median_abs_error": statistics.median(map(abs, on_stock)) if on_stock else None,
@@ -125,6 +133,10 @@ def print_table(rows: list[dict], skipped: list[str]) -> None:
     if s["median_abs_error"] is not None:
         print(f"\n{s['records']} records of one input shape: median |error| {100 * s['median_abs_error']:.1f}%, "
               f"{s['within_15_percent']} within 15%, {s['predicted_too_slow']} predicted too slow")
+    alone = s["alone"]
+    if alone["median_abs_error"] is not None:
+        print(f"of them, {alone['records']} whose units were timed by themselves: median |error| "
+              f"{100 * alone['median_abs_error']:.1f}%, {alone['within_15_percent']} within 15%")
     if s["median_kept_over_stock"] is not None:
         print(f"the model's step with everything kept, over stock's measured step: {s['median_kept_over_stock']:.2f} "
               "(median, where the file holds stock's step at the batch)")

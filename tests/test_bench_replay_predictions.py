@@ -91,3 +91,23 @@ def test_a_path_that_does_not_exist_is_refused_and_no_record_is_a_failure(tmp_pa
         replay_predictions.parse_args([str(tmp_path / "missing")])
     assert replay_predictions.main([str(tmp_path)]) == 1
     assert "no planner record with a calibration" in capsys.readouterr().out
+
+
+def test_records_whose_units_were_timed_by_themselves_are_summed_up_apart(tmp_path, capsys):
+    record = planner_record(measured_s=0.2)
+    timed = json.loads(json.dumps(record))
+    for unit in timed["calibration"]["units"]:
+        unit["alone_forward_s"], unit["alone_backward_s"] = 1e-4, 2e-4
+    (tmp_path / "before.json").write_text(json.dumps([record]))
+    (tmp_path / "timed.json").write_text(json.dumps([timed]))
+    out = tmp_path / "replay.json"
+    assert replay_predictions.main([str(tmp_path), "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    rows = {Path(r["file"]).stem: r for r in written["rows"]}
+    assert rows["timed"]["alone"] and not rows["before"]["alone"]
+    assert rows["timed"]["kept_s"] < rows["before"]["kept_s"]  # the base gave up what the units took beyond
+    (error,) = [rows["timed"]["error"]]
+    assert written["summary"]["alone"] == {"records": 1, "median_abs_error": pytest.approx(abs(error)),
+                                           "within_15_percent": int(abs(error) <= 0.15)}
+    assert "of them, 1 whose units were timed by themselves: median |error|" in capsys.readouterr().out
+
