@@ -101,6 +101,29 @@ class OutOfMemoryOnNegatives(nn.Module):
         return x * 2
 
 
+class Hidden(nn.Module):
+    """Returns its result inside an object no pytree walks into."""
+
+    class Box:
+        def __init__(self, value):
+            self.value = value
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.Box(self.linear(x))
+
+
+def test_a_unit_whose_outputs_needing_gradients_are_not_seen_is_left_out(caplog):
+    calls = AloneCalls(torch.device("cpu"))
+    _note(calls, 0, Hidden(), torch.randn(4, 8, requires_grad=True))
+    with caplog.at_level(logging.INFO, logger="um_alloc.planner"):
+        assert calls.time() == {}  # its backward never ran: pricing it as free would be wrong
+    assert "none of its outputs seen needs a gradient" in caplog.text
+
+
 class Stack(nn.Module):
     def __init__(self):
         super().__init__()

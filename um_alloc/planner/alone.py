@@ -14,8 +14,9 @@ parameters through torch.autograd.grad (no .grad is touched), twice, the second 
 events. Its tensor arguments are new tensors of the same shapes, strides and dtypes (random
 floating values; other tensors are the call's own), its buffers copies of the forward's, the
 RNG's state as it was, and autocast as the call had it. A call that fails (a unit that needs its real inputs, parameters
-only its wrapper gathers) or that the budget cannot hold leaves its unit without the figures,
-and the base prices that unit from the safe step as before.
+only its wrapper gathers), whose outputs seen need no gradient (its backward would seem free),
+or that the budget cannot hold leaves its unit without the figures, and the base prices that
+unit from the safe step as before.
 """
 from __future__ import annotations
 
@@ -140,8 +141,9 @@ class AloneCalls:
         clocks.tick()
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         wrt = differentiated + call.parameters
-        if outputs and wrt:
-            torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        if not outputs or not wrt:  # a backward not run would price the unit's as free
+            raise ValueError("none of its outputs seen needs a gradient from its inputs or parameters")
+        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
         clocks.tick()
         return clocks
 
