@@ -1,6 +1,7 @@
 """Each distinct block run by itself after the probed step (planner/alone.py), and the base step
 it gives (Calibration.base_step_s), on the CPU."""
 import logging
+import time
 
 import pytest
 import torch
@@ -23,6 +24,11 @@ class Counted(nn.Module):
         return self.drop(self.norm(self.linear(x))) * scale
 
 
+def _calls() -> AloneCalls:
+    """On the CPU, timed on the host's clock, as the step recorder times there."""
+    return AloneCalls(torch.device("cpu"), time.perf_counter, lambda start, end: end - start)
+
+
 def _note(calls: AloneCalls, unit: int, block: nn.Module, *args, **kwargs) -> None:
     slots = [(m, name) for m in block.modules() for name in m._buffers]
     calls.note(unit, f"block{unit}", block, block.forward, args, kwargs, lambda: _BuffersBefore(slots))
@@ -30,7 +36,7 @@ def _note(calls: AloneCalls, unit: int, block: nn.Module, *args, **kwargs) -> No
 
 def test_each_distinct_call_runs_by_itself_and_its_twins_share_its_times():
     twins, other = [Counted(8) for _ in range(3)], Counted(16)
-    calls = AloneCalls(torch.device("cpu"))
+    calls = _calls()
     x = torch.randn(4, 8, requires_grad=True)
     for j, block in enumerate(twins):
         _note(calls, j, block, x, scale=2.0)
@@ -45,7 +51,7 @@ def test_each_distinct_call_runs_by_itself_and_its_twins_share_its_times():
 def test_a_unit_called_twice_sums_its_calls_and_one_failed_call_leaves_it_out(monkeypatch):
     runs = iter([AloneTime(1.0, 2.0), None])
     monkeypatch.setattr(AloneCalls, "_timed", lambda self, call: next(runs))
-    calls = AloneCalls(torch.device("cpu"))
+    calls = _calls()
     shared, other = Counted(8), Counted(16)
     _note(calls, 0, shared, torch.randn(4, 8))
     _note(calls, 0, shared, torch.randn(4, 8))     # the same shapes: one run
@@ -60,7 +66,7 @@ def test_running_by_itself_leaves_buffers_gradients_and_the_rng_as_they_were():
     block(torch.randn(4, 8))  # running statistics that are not the initial ones
     before = {k: v.clone() for k, v in block.state_dict().items()}
     rng = torch.get_rng_state()
-    calls = AloneCalls(torch.device("cpu"))
+    calls = _calls()
     _note(calls, 0, block, torch.randn(4, 8, requires_grad=True))
     torch.set_rng_state(rng)
     assert 0 in calls.time()
@@ -83,7 +89,7 @@ class NeedsItsInput(nn.Module):
 
 
 def test_a_block_that_fails_by_itself_is_left_out_and_said_so(caplog):
-    calls = AloneCalls(torch.device("cpu"))
+    calls = _calls()
     _note(calls, 0, NeedsItsInput(), torch.rand(64, 8))
     _note(calls, 1, Counted(8), torch.randn(4, 8))
     with caplog.at_level(logging.INFO, logger="um_alloc.planner"):
@@ -117,7 +123,7 @@ class Hidden(nn.Module):
 
 
 def test_a_unit_whose_outputs_needing_gradients_are_not_seen_is_left_out(caplog):
-    calls = AloneCalls(torch.device("cpu"))
+    calls = _calls()
     _note(calls, 0, Hidden(), torch.randn(4, 8, requires_grad=True))
     with caplog.at_level(logging.INFO, logger="um_alloc.planner"):
         assert calls.time() == {}  # its backward never ran: pricing it as free would be wrong

@@ -21,7 +21,6 @@ unit from the safe step as before.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,10 +65,11 @@ class _FreshTensor:
 class _Call:
     """A unit call as the probed step made it, to make again."""
 
-    def __init__(self, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict, buffers):
+    def __init__(self, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict, buffers,
+                 device_type: str):
         self.name, self.forward, self.buffers = name, forward, buffers
         self.parameters = [p for p in module.parameters() if p.requires_grad]
-        self.autocast = AutocastState(_device_type(args, kwargs))
+        self.autocast = AutocastState(device_type)
         leaves, self._spec = pytree.tree_flatten((args, kwargs))
         self._leaves = [_FreshTensor(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
                         if _floating(t) else t for t in leaves]
@@ -91,8 +91,10 @@ class _Call:
 class AloneCalls:
     """The distinct unit calls of one step, each timed by itself after the step."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, clock: Callable[[], object], seconds: Callable[[object, object], float]):
+        """`clock()` marks a moment on `device` (a CUDA event on its current stream, or the host's
+        clock), `seconds(start, end)` the time between two marks: the step recorder's."""
+        self.device, self._clock, self._seconds = device, clock, seconds
         self._calls: dict[tuple, _Call] = {}
         self._made: list[tuple[int, tuple]] = []  # (unit, key) per call, in the step's order
 
@@ -102,7 +104,7 @@ class AloneCalls:
         this forward finds them, with swap_in() and put_back() (replay._BuffersBefore)."""
         key = (type(module), _shapes((args, kwargs)))
         if key not in self._calls:
-            self._calls[key] = _Call(name, module, forward, args, kwargs, buffers())
+            self._calls[key] = _Call(name, module, forward, args, kwargs, buffers(), self.device.type)
         self._made.append((unit, key))
 
     def time(self) -> dict[int, AloneTime]:
@@ -124,9 +126,10 @@ class AloneCalls:
         try:
             with torch.random.fork_rng(devices=devices), call.autocast.restored(), torch.enable_grad():
                 for _ in range(TIMED_RUNS):
-                    found = self._run(call)
+                    marks = self._run(call)
                     self._synchronize()
-            return found.seconds()
+            start, forward, backward = marks
+            return AloneTime(self._seconds(start, forward), self._seconds(forward, backward))
         except Exception as error:  # noqa: BLE001 (a probe: the unit is priced from the safe step)
             log.info("planner: %s did not run by itself (%s); the base prices it from the safe step",
                      call.name, str(error).splitlines()[0][:200])
@@ -134,44 +137,22 @@ class AloneCalls:
         finally:
             type(call.buffers).put_back(kept)
 
-    def _run(self, call: _Call) -> "_Clocks":
+    def _run(self, call: _Call) -> tuple:
+        """The call's forward and backward; the marks before, between and after them."""
         args, kwargs, differentiated = call.arguments()
-        clocks = _Clocks(self.device)
+        start = self._clock()
         out = call.forward(*args, **kwargs)
-        clocks.tick()
+        forward = self._clock()
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         wrt = differentiated + call.parameters
         if not outputs or not wrt:  # a backward not run would price the unit's as free
             raise ValueError("none of its outputs seen needs a gradient from its inputs or parameters")
         torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
-        clocks.tick()
-        return clocks
+        return start, forward, self._clock()
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-class _Clocks:
-    """A start and the ticks after it: CUDA events on a GPU, the host's clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
-        self._ticks = [self._now()]
-
-    def tick(self) -> None:
-        self._ticks.append(self._now())
-
-    def seconds(self) -> AloneTime:
-        spans = [(b.elapsed_time(a) / 1e3 if self._cuda else a - b) for b, a in zip(self._ticks, self._ticks[1:])]
-        return AloneTime(*spans)
-
-    def _now(self):
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
 
 def _floating(value) -> bool:
@@ -181,8 +162,3 @@ def _floating(value) -> bool:
 def _shapes(values) -> tuple:
     return tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else type(t)
                  for t in pytree.tree_leaves(values))
-
-
-def _device_type(args: tuple, kwargs: dict) -> str:
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return tensors[0].device.type if tensors else "cpu"

@@ -133,7 +133,7 @@ class StepRecorder:
         self._pairs: list[tuple[str, int, int, int]] = []  # (kind, unit, start mark, end mark)
         self._ops: list[tuple[int, object, object]] = []   # (unit, start, end) of kept ops
         self.overflowed_bytes = 0  # the most the pool put in host memory at once, where the budget refused it
-        self.alone = AloneCalls(device)  # the probed step's distinct unit calls, to time by themselves after it
+        self.alone = AloneCalls(device, self._clock, self._seconds)  # the probed step's distinct unit calls
         self.probe.begin_step()
         self.start_live = self.probe.look()[0]
 
