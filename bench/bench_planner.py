@@ -80,7 +80,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=PLANNER_SETTLING_STEPS + 12)
     p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
                    help="first steps left out of the timing (the planner measures in its first two, then "
-                        "tries up to four plans for four steps each)")
+                        "tries up to four plans, three steps at a time, in turn and back)")
     p.add_argument("--deterministic", action="store_true", help="train.py --deterministic for every method")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1, help="runs of each method, alternated (see above)")

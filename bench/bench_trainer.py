@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=PLANNER_SETTLING_STEPS + 12)
     p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
                    help="first steps left out of the median (the planner calibrates in the first two, then "
-                        "tries up to four plans for four steps each)")
+                        "tries up to four plans, three steps at a time, in turn and back)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1, help="runs of each method, alternated")
     p.add_argument("--timeout", type=float, default=300)

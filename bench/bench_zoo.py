@@ -281,7 +281,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=PLANNER_SETTLING_STEPS,
                    help="first steps left out of the median (the planner calibrates in the first two, then "
-                        "tries up to four plans for four steps each)")
+                        "tries up to four plans, three steps at a time, in turn and back)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each timed method, alternated (see above)")
     p.add_argument("--lengths", metavar="MIN:MAX", help="a sequence length per step, drawn from MIN to MAX "
                    "(bench/zoo_train.py --lengths; llama and t5): samples/s is then the mean after --warmup")

@@ -1,5 +1,6 @@
 """Trying the runners-up (um_alloc.planner.trials): which plans are tried, what is measured, which
 stays; and the director's wiring on the CPU."""
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from um_alloc.planner import BlockPlanner, Decision
 from um_alloc.planner import director as director_module
 from um_alloc.planner.planning import checkpointing_plan, evaluate, make_plan
-from um_alloc.planner.trials import ALTERNATIVE_WITHIN, PlanTrials, runners_up
+from um_alloc.planner.trials import ALTERNATIVE_WITHIN, STEPS_PER_CANDIDATE, PlanTrials, runners_up
 from test_planner_plan import GiB, MiB, transformer
 from test_planner_replay import tiny_bert
 
@@ -36,15 +37,27 @@ def rebuilding():
     return replace(cal, units=units)
 
 
-def test_each_candidate_runs_its_steps_and_the_fastest_measured_stays():
+def starts_of(step_times):
+    """Step starts for steps of the given times, the first at 0, and the mark after the last."""
+    starts = [0.0]
+    for seconds in step_times:
+        starts.append(starts[-1] + seconds)
+    return starts
+
+
+def two_plans():
     cal = rebuilding()
-    a, b = make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
-    # a: its first step slow (left out), then 0.2 s a step; b: 0.1 s a step.
-    starts = [0.0, 5.0, 5.2, 5.4, 5.6, 5.7, 5.8, 5.9, 6.0]
-    trials = PlanTrials([a, b], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
-    ran = [trials.begin_step() for _ in range(9)]
-    assert ran[:4] == [a] * 4 and ran[4:8] == [b] * 4
-    assert ran[8] is b and trials.done and trials.chosen is b
+    return make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
+
+
+def test_candidates_run_three_steps_at_a_time_in_turn_and_back_and_the_fastest_measured_stays():
+    a, b = two_plans()
+    # a: 0.2 s a step, the first of each visit slow (left out); b: 0.1 s, its first slow too.
+    times = [5.0, 0.2, 0.2] + [1.0] + [0.1] * 5 + [3.0, 0.2, 0.2]
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=3, clock=ScriptedClock(starts_of(times)))
+    ran = [trials.begin_step() for _ in range(13)]
+    assert ran[:3] == [a] * 3 and ran[3:9] == [b] * 6 and ran[9:12] == [a] * 3
+    assert ran[12] is b and trials.done and trials.chosen is b and trials.total_steps == 12
     assert [t.measured_step_s for t in trials.tried] == pytest.approx([0.2, 0.1])
     assert trials.begin_step() is b  # no more marks are taken: the scripted clock has none left
     assert "(kept)" in trials.summary().split("] [")[1]
@@ -53,12 +66,34 @@ def test_each_candidate_runs_its_steps_and_the_fastest_measured_stays():
     assert trials.to_list()[0]["made"] == "the model's fastest"
 
 
+def test_three_candidates_are_visited_in_order_then_in_reverse():
+    a, b = two_plans()
+    c = replace(b, made="c")
+    trials = PlanTrials([a, b, c], torch.device("cpu"), steps=2, clock=ScriptedClock(starts_of([0.1] * 12)))
+    assert [trials.begin_step() for _ in range(12)] == [a, a, b, b, c, c, c, c, b, b, a, a]
+    assert all(t.measured_step_s is None for t in trials.tried) and not trials.done
+
+
+def test_a_drift_steady_over_the_trial_does_not_decide_it():
+    """Each step 2% slower than the one before, whichever runs: b, 5% faster than a, stays,
+    though a ran first. Run a's three steps then b's three, a's would measure faster."""
+    a, b = two_plans()
+    order = [a] * 3 + [b] * 6 + [a] * 3
+    times = [(1.0 if plan is a else 0.95) * (1 + 0.02 * k) for k, plan in enumerate(order)]
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=3, clock=ScriptedClock(starts_of(times)))
+    for _ in range(13):
+        trials.begin_step()
+    assert trials.chosen is b
+    a_first = statistics.median([1.0 * (1 + 0.02 * k) for k in (1, 2)])
+    b_after = statistics.median([0.95 * (1 + 0.02 * k) for k in (4, 5)])
+    assert a_first < b_after
+
+
 def test_a_slow_first_step_alone_does_not_lose_the_trial():
-    cal = rebuilding()
-    a, b = make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
-    starts = [0.0, 9.0, 9.1, 9.2, 9.3, 9.45, 9.6, 9.75, 9.9]  # a: 9 s, then 0.1 s; b: 0.15 s
-    trials = PlanTrials([a, b], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
-    for _ in range(9):
+    a, b = two_plans()
+    times = [9.0, 0.1, 0.1] + [0.15] * 6 + [9.0, 0.1, 0.1]  # a: 9 s, then 0.1 s a step; b: 0.15 s
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=3, clock=ScriptedClock(starts_of(times)))
+    for _ in range(13):
         trials.begin_step()
     assert trials.chosen is a
 
@@ -178,15 +213,15 @@ def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(director_module, "runners_up", two_candidates)
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(5))
     ran = []
-    for step in range(2 + 2 * 4 + 2):
+    for step in range(2 + 2 * STEPS_PER_CANDIDATE + 2):
         model(input_ids=ids, labels=ids).loss.backward()
         ran.append(planner.plan)
         if step == 2:
             assert "trying" not in planner.table() and "tried [" in planner.table()
     best, other = made[0]
     assert ran[:2] == [None, None]
-    assert ran[2:6] == [best] * 4 and ran[6:10] == [other] * 4
-    assert ran[10] is ran[11] and ran[10] in (best, other)
+    assert ran[2:5] == [best] * 3 and ran[5:11] == [other] * 6 and ran[11:14] == [best] * 3
+    assert ran[14] is ran[15] and ran[14] in (best, other)
     trials = planner.to_dict()["trials"]
     assert [t["kept"] for t in trials].count(True) == 1
     assert all(t["measured_step_s"] > 0 for t in trials)
@@ -196,12 +231,11 @@ def test_the_planner_tries_its_runners_up_then_keeps_the_fastest(monkeypatch):
 
 
 def test_an_interval_another_inputs_step_ran_in_is_left_out():
-    cal = rebuilding()
-    a, b = make_plan(cal, 11 * GiB), make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})
+    a, b = two_plans()
     # a: 0.1 s a step, but one interval holds another input's 5 s step; b: 0.15 s a step.
-    starts = [0.0, 1.0, 1.1, 6.1, 6.2, 6.35, 6.5, 6.65, 6.8]
-    follows = [True, True, True, False, True, True, True, True, True]
-    trials = PlanTrials([a, b], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
+    times = [0.1, 0.1, 5.1] + [0.15] * 6 + [0.1] * 3
+    follows = [True] * 3 + [False] + [True] * 9   # the mark that ends the 5.1 s interval
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=3, clock=ScriptedClock(starts_of(times)))
     for f in follows:
         trials.begin_step(f)
     assert [t.measured_step_s for t in trials.tried] == pytest.approx([0.1, 0.15])
@@ -210,11 +244,12 @@ def test_an_interval_another_inputs_step_ran_in_is_left_out():
 
 @pytest.mark.parametrize("clean_b, chosen", [(True, "b"), (False, "a")])
 def test_a_candidate_with_no_clean_interval_is_not_chosen_and_without_any_the_plan_stays(clean_b, chosen):
-    cal = rebuilding()
-    plans = {"a": make_plan(cal, 11 * GiB), "b": make_plan(cal, 11 * GiB, allowed=DEFAULT - {Decision.REBUILD})}
-    starts = [0.0, 1.0, 2.0, 3.0, 4.0, 4.1, 4.2, 4.3, 4.4]
-    follows = [True, True, False, False, False] + [True, clean_b, clean_b, clean_b]
-    trials = PlanTrials([plans["a"], plans["b"]], torch.device("cpu"), steps=4, clock=ScriptedClock(starts))
+    a, b = two_plans()
+    plans = {"a": a, "b": b}
+    times = [1.0] * 3 + [0.1] * 6 + [1.0] * 3
+    # No interval of a's follows a step of its own input; b's do where clean_b.
+    follows = [True, True, False, False] + [True] + [clean_b] * 5 + [True, False, False]
+    trials = PlanTrials([a, b], torch.device("cpu"), steps=3, clock=ScriptedClock(starts_of(times)))
     for f in follows:
         trials.begin_step(f)
     assert trials.tried[0].measured_step_s is None
@@ -228,7 +263,7 @@ def test_alternating_inputs_measure_nothing_and_each_keeps_its_plan(monkeypatch)
     monkeypatch.setattr(director_module, "runners_up", lambda best, make, allowed, checkpointing: [
         best, replace(best, predicted_step_s=best.predicted_step_s * 1.1)])
     generator = torch.Generator().manual_seed(6)
-    for step in range(2 * (2 + 2 * 4 + 1)):
+    for step in range(2 * (2 + 2 * STEPS_PER_CANDIDATE + 1)):
         ids = torch.randint(0, 97, (4, 16 if step % 2 else 8), generator=generator)
         model(input_ids=ids, labels=ids).loss.backward()
     trials = planner.to_dict()["trials"]

@@ -10,8 +10,8 @@
 The first input shape's first two training steps run in the safe mode (every block recomputed
 with its inputs in host memory, every gap's activations in host memory) and measure; the third
 runs the plan. Where the plan rebuilds or moves, whose cost depends on the host more than one
-measured step shows, the best plans without them run four steps each after it, and the fastest
-measured stays (trials.py). A step that runs out of memory makes the planner keep less (its
+measured step shows, the best plans without them are tried beside it, three steps at a time in
+turn and back, and the fastest measured stays (trials.py). A step that runs out of memory makes the planner keep less (its
 margin grows) and plan again; the loop decides whether to repeat the step (bert_example/train.py
 does).
 
@@ -486,15 +486,15 @@ class BlockPlanner:
                                          if p is not None and p.decisions != shape.plan.decisions]
             if len(candidates) > 1:
                 shape.trials = PlanTrials(candidates, self.device)
-                log.info("planner: trying %s against it, %d steps each",
+                log.info("planner: trying %s against it, %d steps at a time, in turn and back",
                          " and ".join(p.made for p in candidates[1:]), shape.trials.steps)
             return
         candidates = runners_up(shape.plan, functools.partial(self._make_or_none, shape.calibration), allowed,
                                 checkpointing_plan(shape.calibration, self.budget, margin_bytes=self.margin))
         if len(candidates) > 1:
             shape.trials = PlanTrials(candidates, self.device)
-            log.info("planner: trying %d plans for %d steps each, the fastest stays: %s", len(candidates),
-                     shape.trials.steps, "; ".join(f"{p.made}: {p.table().splitlines()[-1]}" for p in candidates[1:]))
+            log.info("planner: trying %d plans %d steps at a time, in turn and back; the fastest stays: %s",
+                     len(candidates), shape.trials.steps, "; ".join(f"{p.made}: {p.table().splitlines()[-1]}" for p in candidates[1:]))
 
     def _make(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
         if self.strategy == "checkpoint":

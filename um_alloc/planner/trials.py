@@ -9,15 +9,19 @@ ViT-B/16 block 0.53 and 0.54 ms where they predicted 1.2 and 0.6 ms.
 
 So where the plan uses either, the best plan without it is a candidate too, if predicted within
 ALTERNATIVE_WITHIN of the plan (the safe mode's own decisions stay allowed: "without moves" is
-the plan with the fewest moves that fits). Each candidate runs STEPS_PER_CANDIDATE steps, and
-the one with the least median step time stays. Every candidate is predicted to fit the budget:
-a trial costs time, never memory.
+the plan with the fewest moves that fits). The candidates run STEPS_PER_VISIT steps at a time, in
+order and then in reverse (A B C C B A), and the one with the least median step time stays. The
+reverse round is there because the host drifts: on one H200 a BERT-Large trial run A then B
+measured A at 130.7 ms a step and B at 143.2, and A then ran at 145.3 (bench/results/alone_base).
+Visited in mirrored order, each candidate's steps sit on average at the trial's middle, so a drift
+steady over the trial moves each one's measure alike. Every candidate is predicted to fit the budget: a trial costs
+time, never memory.
 
-A step's time is measured from its start to the next one's (CUDA events on the GPU, so only the
-switch from one candidate to the next waits for the GPU; the host's clock on the CPU). The first
-step of each candidate is left out: it meets the allocator's state the previous plan left. So is
-an interval in which a step of another input shape ran (its own plan, not this one); a candidate
-left with no interval is not chosen, and where none has one, the plan stays.
+A step's time is measured from its start to the next one's (CUDA events on the GPU, read once the
+trial is over, so the trial never waits for the GPU; the host's clock on the CPU). A candidate's
+first step after another candidate's is left out: it meets the allocator's state the other plan
+left. So is an interval in which a step of another input shape ran (its own plan, not this one);
+a candidate left with no interval is not chosen, and where none has one, the plan stays.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import torch
 
 from .planning import Decision, Plan
 
-__all__ = ["PlanTrials", "UNCERTAIN", "ALTERNATIVE_WITHIN", "STEPS_PER_CANDIDATE", "MOST_CANDIDATES"]
+__all__ = ["PlanTrials", "UNCERTAIN", "ALTERNATIVE_WITHIN", "STEPS_PER_VISIT", "STEPS_PER_CANDIDATE",
+           "MOST_CANDIDATES"]
 
 # The decisions whose cost the model is least sure of, each family tried away as a whole, by name.
 UNCERTAIN = {
@@ -37,7 +42,8 @@ UNCERTAIN = {
     "moves": frozenset({Decision.MOVE, Decision.RECOMPUTE_MOVED, Decision.SELECTIVE_MOVED}),
 }
 ALTERNATIVE_WITHIN = 1.25    # a runner-up predicted this much slower than the plan, at most, is tried
-STEPS_PER_CANDIDATE = 4      # steps each candidate runs; the last three intervals are measured
+STEPS_PER_VISIT = 3          # steps a candidate runs at a time; the first after another's is left out
+STEPS_PER_CANDIDATE = 2 * STEPS_PER_VISIT  # two visits each: in order, then in reverse
 MOST_CANDIDATES = 1 + len(UNCERTAIN) + 1  # the plan, the best without each uncertain family, checkpointing's
 
 
@@ -48,7 +54,7 @@ class Tried:
 
 
 class _Clock:
-    """Marks of step starts: CUDA events on a GPU (read once a candidate is done), else the host's."""
+    """Marks of step starts: CUDA events on a GPU (read once the trial is over), else the host's."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
@@ -68,24 +74,33 @@ class _Clock:
         return start.elapsed_time(end) / 1e3
 
 
+def visiting_order(candidates: int, steps: int) -> list[int]:
+    """Which candidate each trial step runs: `steps` at a time, in order, then in reverse."""
+    forward = list(range(candidates))
+    return [c for c in forward + forward[::-1] for _ in range(steps)]
+
+
 class PlanTrials:
-    """Runs each candidate plan for `steps` steps, in order, then keeps the fastest measured.
+    """Runs the candidate plans `steps` steps at a time, in order and then in reverse, then keeps
+    the fastest measured. Call ``begin_step()`` at each step's start; it returns the plan that
+    step runs."""
 
-    Call ``begin_step()`` at each step's start; it returns the plan that step runs.
-    """
-
-    def __init__(self, candidates: list[Plan], device: torch.device, steps: int = STEPS_PER_CANDIDATE,
+    def __init__(self, candidates: list[Plan], device: torch.device, steps: int = STEPS_PER_VISIT,
                  clock=None):
         if len(candidates) < 2:
             raise ValueError(f"PlanTrials: {len(candidates)} candidate(s); a trial needs at least 2")
         if steps < 2:
-            raise ValueError(f"PlanTrials: steps={steps}; at least 2 (the first of each is left out)")
+            raise ValueError(f"PlanTrials: steps={steps}; at least 2 (the first of each visit is left out)")
         self.tried = [Tried(plan) for plan in candidates]
         self.steps = steps
+        self._order = visiting_order(len(candidates), steps)
         self._clock = clock or _Clock(device)
-        self._marks: list = []
-        self._running = 0
+        self._marks: list = []       # (mark, follows) at each trial step's start, and the first after
         self.chosen: Plan | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return len(self._order)
 
     @property
     def done(self) -> bool:
@@ -95,22 +110,27 @@ class PlanTrials:
         """`follows`: the step before this one was of the same input (its interval counts)."""
         if self.done:
             return self.chosen
-        mark = self._clock.mark()
-        self._marks.append((mark, follows))
-        if len(self._marks) == self.steps + 1:  # the running candidate's last step has ended
-            self._close_candidate()
-            self._marks = [(mark, True)]     # the next one's first step starts here
-        return self.chosen or self.tried[self._running].plan
+        self._marks.append((self._clock.mark(), follows))
+        if len(self._marks) > len(self._order):  # the last trial step has ended
+            self._choose()
+            return self.chosen
+        return self.tried[self._order[len(self._marks) - 1]].plan
 
-    def _close_candidate(self) -> None:
-        # Left out: the candidate's first step, and any interval another input's step ran in.
-        intervals = [self._clock.seconds(a, b) for (a, _), (b, follows) in zip(self._marks[1:], self._marks[2:])
-                     if follows]
-        self.tried[self._running].measured_step_s = statistics.median(intervals) if intervals else None
-        self._running += 1
-        if self._running == len(self.tried):
-            measured = [t for t in self.tried if t.measured_step_s is not None]
-            self.chosen = min(measured, key=lambda t: t.measured_step_s).plan if measured else self.tried[0].plan
+    def _measured_intervals(self) -> dict[int, list[float]]:
+        """Each candidate's step times: step k's interval runs from its mark to the next, and
+        counts where step k-1 ran the same candidate and no other input's step came between."""
+        intervals: dict[int, list[float]] = {}
+        for k in range(1, len(self._order)):
+            (start, _), (end, follows) = self._marks[k], self._marks[k + 1]
+            if follows and self._order[k - 1] == self._order[k]:
+                intervals.setdefault(self._order[k], []).append(self._clock.seconds(start, end))
+        return intervals
+
+    def _choose(self) -> None:
+        for j, seconds in self._measured_intervals().items():
+            self.tried[j].measured_step_s = statistics.median(seconds)
+        measured = [t for t in self.tried if t.measured_step_s is not None]
+        self.chosen = min(measured, key=lambda t: t.measured_step_s).plan if measured else self.tried[0].plan
 
     def summary(self) -> str:
         """One line: each candidate's decisions, predicted and measured step, and which stayed."""
