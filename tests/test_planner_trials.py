@@ -1,6 +1,5 @@
 """Trying the runners-up (um_alloc.planner.trials): which plans are tried, what is measured, which
 stays; and the director's wiring on the CPU."""
-import statistics
 from dataclasses import replace
 
 import pytest
@@ -76,7 +75,8 @@ def test_three_candidates_are_visited_in_order_then_in_reverse():
 
 def test_a_drift_steady_over_the_trial_does_not_decide_it():
     """Each step 2% slower than the one before, whichever runs: b, 5% faster than a, stays,
-    though a ran first. Run a's three steps then b's three, a's would measure faster."""
+    though a ran first (run a's three steps then b's three, a's would have measured faster:
+    1.03 s against 1.04)."""
     a, b = two_plans()
     order = [a] * 3 + [b] * 6 + [a] * 3
     times = [(1.0 if plan is a else 0.95) * (1 + 0.02 * k) for k, plan in enumerate(order)]
@@ -84,9 +84,6 @@ def test_a_drift_steady_over_the_trial_does_not_decide_it():
     for _ in range(13):
         trials.begin_step()
     assert trials.chosen is b
-    a_first = statistics.median([1.0 * (1 + 0.02 * k) for k in (1, 2)])
-    b_after = statistics.median([0.95 * (1 + 0.02 * k) for k in (4, 5)])
-    assert a_first < b_after
 
 
 def test_a_slow_first_step_alone_does_not_lose_the_trial():

@@ -11,9 +11,9 @@ The first input shape's first two training steps run in the safe mode (every blo
 with its inputs in host memory, every gap's activations in host memory) and measure; the third
 runs the plan. Where the plan rebuilds or moves, whose cost depends on the host more than one
 measured step shows, the best plans without them are tried beside it, three steps at a time in
-turn and back, and the fastest measured stays (trials.py). A step that runs out of memory makes the planner keep less (its
-margin grows) and plan again; the loop decides whether to repeat the step (bert_example/train.py
-does).
+turn and back, and the fastest measured stays (trials.py). A step that runs out of memory makes
+the planner keep less (its margin grows) and plan again; the loop decides whether to repeat the
+step (bert_example/train.py does).
 
 Inputs whose shape changes (dynamic padding, a last smaller batch): a new input that a planned one
 holds (the same tensors, dtypes and ranks, no dimension larger) runs that input's plan, or its
@@ -494,7 +494,8 @@ class BlockPlanner:
         if len(candidates) > 1:
             shape.trials = PlanTrials(candidates, self.device)
             log.info("planner: trying %d plans %d steps at a time, in turn and back; the fastest stays: %s",
-                     len(candidates), shape.trials.steps, "; ".join(f"{p.made}: {p.table().splitlines()[-1]}" for p in candidates[1:]))
+                     len(candidates), shape.trials.steps,
+                     "; ".join(f"{p.made}: {p.table().splitlines()[-1]}" for p in candidates[1:]))
 
     def _make(self, cal: Calibration, allowed: frozenset[Decision]) -> Plan:
         if self.strategy == "checkpoint":

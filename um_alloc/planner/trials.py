@@ -14,8 +14,8 @@ order and then in reverse (A B C C B A), and the one with the least median step 
 reverse round is there because the host drifts: on one H200 a BERT-Large trial run A then B
 measured A at 130.7 ms a step and B at 143.2, and A then ran at 145.3 (bench/results/alone_base).
 Visited in mirrored order, each candidate's steps sit on average at the trial's middle, so a drift
-steady over the trial moves each one's measure alike. Every candidate is predicted to fit the budget: a trial costs
-time, never memory.
+steady over the trial moves each one's measure alike. Every candidate is predicted to fit the
+budget: a trial costs time, never memory.
 
 A step's time is measured from its start to the next one's (CUDA events on the GPU, read once the
 trial is over, so the trial never waits for the GPU; the host's clock on the CPU). A candidate's
