@@ -36,7 +36,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -48,9 +48,9 @@ from ..tensor_trees import tensors as _tensors
 __all__ = ["RebuildProbe", "RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where a tensor a unit holds came from: its `index`-th input, or its save at place `index`."""
+class Slot(NamedTuple):
+    """Where a tensor a unit holds came from: its `index`-th input, or its save at place `index`.
+    A tuple, so that replay's lookups by slot, at every save of a forward, hash in C."""
     kind: str    # "input" or "save"
     index: int
 
@@ -102,10 +102,9 @@ class PlaceRecipe:
                 or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != self.nbytes):
             return None
         entries = {}
-        for slot, dtype, size, stride in self.reads:
+        for slot, *layout in self.reads:
             entry = held.get(slot)
-            if entry is None or entry.tensor.dtype != dtype or entry.tensor.size() != size \
-                    or entry.tensor.stride() != stride:
+            if entry is None or entry.layout() != layout:
                 return None
             entries[slot] = entry
         node, nr = tensor.grad_fn, tensor.output_nr
@@ -135,8 +134,8 @@ class PlaceRecipe:
         inputs = node.next_functions
         for slot, index in self.edges:
             fn, fn_nr = inputs[index]
-            edge = get_gradient_edge(entries[slot].tensor)
-            if fn is not edge.node or fn_nr != edge.output_nr:
+            edge_node, edge_nr = entries[slot].edge()
+            if fn is not edge_node or fn_nr != edge_nr:
                 return None
         args = tuple(_bound(a, entries) for a in self.args)
         kwargs = {k: _bound(v, entries) for k, v in self.kwargs}
@@ -212,6 +211,22 @@ class _Kept:
     version: int
     unit: str
     slot: Slot | None = None
+    _edge: tuple | None = None
+    _layout: list | None = None
+
+    def layout(self) -> list:
+        """[dtype, size, stride], read once: the places whose recipes read it compare it each."""
+        if self._layout is None:
+            self._layout = [self.tensor.dtype, self.tensor.size(), self.tensor.stride()]
+        return self._layout
+
+    def edge(self) -> tuple:
+        """Its autograd edge (node, output number), found once: several places' roots read one held
+        tensor, and finding a leaf's accumulator makes a view of it."""
+        if self._edge is None:
+            edge = get_gradient_edge(self.tensor)
+            self._edge = (edge.node, edge.output_nr)
+        return self._edge
 
 
 def _unchanged(entry: _Kept) -> torch.Tensor:
@@ -238,7 +253,10 @@ class _Eligible:
         if tensor.nbytes < self.min_bytes or tensor.device != self.device:
             return False
         base = tensor._base
-        return not isinstance(base if base is not None else tensor, torch.nn.Parameter)
+        if base is None:
+            base = tensor
+        # Only a leaf can be a parameter; isinstance asks Parameter's metaclass, in Python.
+        return base.grad_fn is not None or not isinstance(base, torch.nn.Parameter)
 
 
 def _inputs(values) -> list[torch.Tensor]:
@@ -356,6 +374,7 @@ class RebuiltSaves:
         self._device_type = device.type
         self._recipes = recipes or UnitRecipes()
         self._sources = self._recipes.sources
+        self._held_places = frozenset(slot.index for slot in self._sources if slot.kind == "save")
         self._unit = unit
         self._held: dict[Slot, _Kept] = {}
         self._bases: dict[tuple, _Base] = {}
@@ -394,9 +413,8 @@ class RebuiltSaves:
         recipe = self._recipes.places.get(place)
         bound = recipe.bind(tensor, self._held) if recipe is not None else None
         if bound is None:
-            slot = Slot("save", place)
-            if slot in self._sources:
-                self._held[slot] = _Kept(tensor, tensor._version, self._unit)
+            if place in self._held_places:
+                self._held[Slot("save", place)] = _Kept(tensor, tensor._version, self._unit)
             return as_saved(tensor)
         rebuild, key = bound
         base = self._bases.get(key)
