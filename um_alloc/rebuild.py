@@ -15,6 +15,13 @@ a *root*: the output of a cheap function (``CHEAP_FUNCTIONS``, seen through a to
 while forward runs) whose tensor inputs are held, or a tensor held itself, or a parameter.
 "Held" means saved for backward this step, and so kept or offloaded by ActivationOffload.
 
+A root may also be a tree of elementwise calls (``ELEMENTWISE_FUNCTIONS``: mul, add, sub, div,
+pow, tanh, sigmoid, exp, rsqrt, neg; at most ``MAX_CALLS``) whose leaves are held tensors,
+parameters or plain values, for callers that ask for it (``RootRecorder(trees=True)``, the
+planner's rebuild decision): GPT-2's GELU, ``0.5 * x * (1 + tanh(c * (x + k * x**3)))``, saves
+its tanh output, ``1 + t``, ``0.5 * x`` and the product, each such a tree over ``x``, which pow
+saves. A call several trees read is one ``Call`` object, whose output ``Shared`` makes once.
+
 Rebuilding reruns the same kernel on the same input under the same autocast state, so it gives
 the same bits. ActivationOffload still checks before trusting a recipe: during its calibration
 steps it moves every tensor as before *and* rebuilds it, and only recipes whose result was equal
@@ -32,6 +39,16 @@ from torch.overrides import TorchFunctionMode
 
 # Functions whose outputs are worth recomputing: one pass over the input, no randomness.
 CHEAP_FUNCTIONS = {F.gelu, F.silu, F.relu, F.layer_norm, F.rms_norm}
+
+# Elementwise functions a recipe may chain (RootRecorder(trees=True)): deterministic, one pass,
+# no randomness, no reduction. Each in the forms a torch function mode sees: torch.mul, Tensor.mul
+# (what `0.5 * x` arrives as), the operators' Tensor.__op__ / __rop__.
+_ELEMENTWISE = ("mul", "add", "sub", "div", "true_divide", "pow", "tanh", "sigmoid", "exp", "rsqrt", "neg")
+_OPERATORS = ("__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__truediv__",
+              "__rtruediv__", "__div__", "__rdiv__", "__pow__", "__rpow__", "__neg__")
+ELEMENTWISE_FUNCTIONS = frozenset([getattr(torch, n) for n in _ELEMENTWISE] + [getattr(torch.Tensor, n) for n in _ELEMENTWISE]
+                                  + [getattr(torch.Tensor, n) for n in _OPERATORS])
+MAX_CALLS = 12  # calls in one recipe's tree: GPT-2's GELU product needs 8
 
 # Autograd nodes of views: the saved tensor shares its root's storage.
 VIEW_NODES = frozenset({
@@ -63,13 +80,56 @@ class Source:
 
 
 @dataclass
+class Shared:
+    """A result several rebuilds read in one backward: made at the first, let go after the last."""
+    uses: int = 0
+    tensor: torch.Tensor | None = None
+
+    def take(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = make()
+        out = self.tensor
+        self.uses -= 1
+        if self.uses <= 0:  # its last reader: let go of it
+            self.tensor = None
+        return out
+
+
+@dataclass(eq=False)
 class Call:
     """A cheap function's output: rerun it on its inputs."""
     func: Callable
-    args: tuple            # Sources, Params or plain values
+    args: tuple            # Sources, Params, plain values, or Calls whose outputs it reads (a tree)
     kwargs: dict
     autocast: tuple        # (enabled, dtype) for the device type when forward called it
-    numel: int
+    numel: int             # of its output; 0 for a call inside a tree, which nothing views
+    shared: Shared | None = None   # where several rebuilds read its output: made once for them
+    made: tuple = ()       # (autograd node, output number) of its output, while the recorder holds it
+
+    @property
+    def inputs(self) -> list:
+        return [*self.args, *self.kwargs.values()]
+
+    def nested(self) -> list:
+        """The calls whose outputs it reads."""
+        return [v for v in self.inputs if isinstance(v, Call)]
+
+    def run(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
+        """Its output, from its inputs made again, under the autocast state forward ran it in."""
+        if self.shared is not None:
+            return self.shared.take(lambda: self._run(fetch, device_type))
+        return self._run(fetch, device_type)
+
+    def _run(self, fetch, device_type: str) -> torch.Tensor:
+        args = [_value(a, fetch, device_type) for a in self.args]
+        kwargs = {k: _value(v, fetch, device_type) for k, v in self.kwargs.items()}
+        enabled, dtype = self.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return self.func(*args, **kwargs)
+
+    def size(self) -> int:
+        """The calls in its tree, itself included."""
+        return 1 + sum(c.size() for c in self.nested())
 
 
 @dataclass
@@ -91,8 +151,7 @@ class Recipe:
     @property
     def sources(self) -> list:
         """The entries it reads (each read counts as a use of that entry)."""
-        values = [self.root.source] if isinstance(self.root, Held) else [*self.root.args, *self.root.kwargs.values()]
-        return [v.entry for v in values if isinstance(v, Source)]
+        return [v.entry for v in _leaves(self.root) if isinstance(v, Source)]
 
     def signature(self) -> tuple:
         """What it does, without the tensors it reads: equal across steps that match."""
@@ -109,14 +168,9 @@ class Recipe:
     def build_base(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
         """The root, cast: what recipes of one root and one cast share (see base_key)."""
         if isinstance(self.root, Call):
-            call = self.root
-            args = [_value(a, fetch) for a in call.args]
-            kwargs = {k: _value(v, fetch) for k, v in call.kwargs.items()}
-            enabled, dtype = call.autocast
-            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                base = call.func(*args, **kwargs)
+            base = self.root.run(fetch, device_type)
         else:
-            base = _value(self.root.source, fetch)
+            base = _value(self.root.source, fetch, device_type)
         return base if self.cast is None else base.to(self.cast)
 
     def shape(self, base: torch.Tensor) -> torch.Tensor:
@@ -133,24 +187,44 @@ class Recipe:
 class RootRecorder:
     """Per step: the roots recipes start from, keyed by (autograd node, output number)."""
 
-    def __init__(self, held_of: Callable[[torch.Tensor], Any], device_type: str, views_under_casts: bool = False):
+    def __init__(self, held_of: Callable[[torch.Tensor], Any], device_type: str, views_under_casts: bool = False,
+                 trees: bool = False):
         self._held_of = held_of          # tensor -> its entry if saved this step, else None
         self._device_type = device_type
         # Whether a cast of a view of the root (a linear reading x.view(-1, n)) may have a recipe:
         # rebuilt right only where the view only reshapes; for callers that compare every recipe's
         # result with the tensor before trusting it.
         self._views_under_casts = views_under_casts
+        # Whether a root may be a tree of ELEMENTWISE_FUNCTIONS calls (GPT-2's GELU): its inputs are
+        # found when a recipe asks for them, not when it runs, since the tensors a chain starts from
+        # are often saved only by a later op of the chain (x by the pow after 0.5 * x).
+        self._trees = trees
+        self.functions = CHEAP_FUNCTIONS | ELEMENTWISE_FUNCTIONS if trees else CHEAP_FUNCTIONS
         self._roots: dict[tuple, tuple[Any, Call | Held]] = {}  # (id(node), nr) -> (node, root)
+        self._held_edges: dict[tuple, tuple] = {}  # (id(grad_fn), nr) -> (grad_fn, entry, version when held)
+        self._waiting: list | None = None  # while a recorded function runs: what waits for its record
 
     def mode(self) -> TorchFunctionMode:
-        """Active while forward runs: records the calls of CHEAP_FUNCTIONS."""
+        """Active while forward runs: records the calls of self.functions."""
         return _CheapCallMode(self)
 
     def clear(self) -> None:
         self._roots.clear()
+        self._held_edges.clear()
+
+    def when_recorded(self, look: Callable[[], None]) -> None:
+        """Runs `look` once the function running now is recorded, or at once if none runs. A
+        tensor saved while it runs may be its output (tanh and sigmoid save theirs), whose root is
+        that call: autograd saves it before the call returns to be recorded."""
+        if self._waiting is None:
+            look()
+        else:
+            self._waiting.append(look)
 
     def add_held(self, tensor: torch.Tensor, entry: Any) -> None:
         """`tensor` was just saved and is held as `entry`: views and casts of it need not move."""
+        if self._trees and tensor.grad_fn is not None:
+            self._held_edges[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, entry, tensor._version)
         node, nr = _root_of(tensor)
         if node is not None and _covers_storage(tensor):
             self._roots[(id(node), nr)] = (node, Held(Source(entry), tensor.numel()))
@@ -169,7 +243,8 @@ class RootRecorder:
         if any(a is _UNHELD for a in (*args, *kwargs.values())):
             return  # an input backward will not have: recomputing would mean keeping it
         autocast = (torch.is_autocast_enabled(self._device_type), torch.get_autocast_dtype(self._device_type))
-        self._roots[key] = (node, Call(func, args, kwargs, autocast, out.numel()))
+        made = (node, out.output_nr) if self._trees else ()
+        self._roots[key] = (node, Call(func, args, kwargs, autocast, out.numel(), made=made))
 
     def recipe_for(self, tensor: torch.Tensor) -> Recipe | None:
         """How to rebuild `tensor` (views of at most one cast of a root), or None."""
@@ -179,7 +254,8 @@ class RootRecorder:
         for _ in range(MAX_CHAIN):
             found = self._roots.get((id(node), nr))
             if found is not None and found[0] is node:
-                return _recipe(tensor, found[1], cast, path)
+                root = self._tree(found[1], [MAX_CALLS]) if self._trees and isinstance(found[1], Call) else found[1]
+                return _recipe(tensor, root, cast, path) if root is not None else None
             name = type(node).__name__
             if name == "AccumulateGrad":
                 return _recipe(tensor, self._leaf(node.variable), cast, path)
@@ -197,6 +273,36 @@ class RootRecorder:
                 return None
         return None
 
+    def _tree(self, call: Call, budget: list) -> Call | None:
+        """`call` with the tensors it read found: held ones as Sources, outputs of recorded calls as
+        nested Calls (at most budget[0] calls in all), or None where one is neither."""
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        resolved = []
+        for value in call.inputs:
+            if isinstance(value, _Ref):
+                value = self._found(value, budget)
+                if value is None:
+                    return None
+            resolved.append(value)
+        args, kwargs = resolved[:len(call.args)], resolved[len(call.args):]
+        return Call(call.func, tuple(args), dict(zip(call.kwargs, kwargs)), call.autocast, call.numel, made=call.made)
+
+    def _found(self, ref: _Ref, budget: list):
+        held = self._held_edges.get((id(ref.node), ref.nr))
+        if held is not None and held[0] is ref.node:
+            _, entry, version = held
+            # Held as it was when the call read it: unchanged in place in between.
+            return Source(entry) if version == ref.version else None
+        found = self._roots.get((id(ref.node), ref.nr))
+        if found is None or found[0] is not ref.node or not isinstance(found[1], Call):
+            return None
+        nested = self._tree(found[1], budget)
+        if nested is not None:
+            nested.numel = 0
+        return nested
+
     def _leaf(self, leaf: torch.Tensor) -> Held:
         """A leaf: one held this step (a recomputed block's input), or a parameter."""
         entry = self._held_of(leaf)
@@ -212,7 +318,18 @@ class RootRecorder:
             return Source(entry)
         if value.is_leaf and value.requires_grad:
             return Param(value, value._version)
+        if self._trees and value.grad_fn is not None:
+            return _Ref(value.grad_fn, value.output_nr, value._version)
         return _UNHELD
+
+
+@dataclass
+class _Ref:
+    """A tensor a recorded call read, found when a recipe asks: held by then, or a recorded call's
+    output. The node, not the tensor: holding tensors would keep a unit's temporaries alive."""
+    node: Any
+    nr: int
+    version: int
 
 
 class _CheapCallMode(TorchFunctionMode):
@@ -222,9 +339,18 @@ class _CheapCallMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in CHEAP_FUNCTIONS and torch.is_grad_enabled():
-            self._recorder.add_call(func, args, kwargs, out)
+        recorder = self._recorder
+        if func not in recorder.functions or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        recorder._waiting = []
+        try:
+            out = func(*args, **kwargs)
+            recorder.add_call(func, args, kwargs, out)
+            waiting = recorder._waiting
+        finally:
+            recorder._waiting = None
+        for look in waiting:
+            look()
         return out
 
 
@@ -237,10 +363,19 @@ def _recipe(tensor: torch.Tensor, root: Call | Held, cast, path: list) -> Recipe
     return Recipe(root, cast, tuple(tensor.size()), tuple(tensor.stride()), tuple(path))
 
 
-def _value(value, fetch):
+def _value(value, fetch, device_type: str):
     if isinstance(value, Param):
         return value.get()
+    if isinstance(value, Call):
+        return value.run(fetch, device_type)
     return fetch(value.entry) if isinstance(value, Source) else value
+
+
+def _leaves(root: Call | Held) -> list:
+    """The Sources, Params and plain values a recipe's root reads, through its tree."""
+    if isinstance(root, Held):
+        return [root.source]
+    return [leaf for v in root.inputs for leaf in (_leaves(v) if isinstance(v, Call) else [v])]
 
 
 def _covers_storage(tensor: torch.Tensor) -> bool:

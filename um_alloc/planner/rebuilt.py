@@ -42,7 +42,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..byte_views import storage_bytes
-from ..rebuild import MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Source, _root_of, as_saved
+from ..rebuild import MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Shared, Source, _root_of, as_saved
 from ..tensor_trees import tensors as _tensors
 
 __all__ = ["RebuildProbe", "RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
@@ -70,6 +70,25 @@ class ParamRef:
 
 
 @dataclass(frozen=True)
+class PlaceCall:
+    """A call inside a recipe's tree, in terms of places: what its output feeds is checked through
+    the autograd graph, from the node of the call that reads it."""
+    func: Callable
+    args: tuple                  # Slots, ParamRefs, plain values and Nested calls
+    kwargs: tuple                # (name, value) pairs, values as in args
+    autocast: tuple
+    node: str                    # its node's type name
+    edges: tuple                 # (Slot of a tensor it reads, index among its node's inputs)
+
+
+@dataclass(frozen=True)
+class Nested:
+    """An input of a call that is another call's output: the `index`-th input of the reader's node."""
+    index: int
+    call: PlaceCall
+
+
+@dataclass(frozen=True)
 class PlaceRecipe:
     """How calibration rebuilt the tensor a unit saves at one place, in terms of what the unit holds
     (its inputs, its saves at earlier places, parameters), so that replay need not watch the
@@ -94,10 +113,11 @@ class PlaceRecipe:
     node: str = ""               # the root node's type name ("call")
     edges: tuple = ()            # (Slot of a tensor it reads, index among the root node's inputs)
 
-    def bind(self, tensor: torch.Tensor, held: dict) -> tuple[Recipe, tuple] | None:
+    def bind(self, tensor: torch.Tensor, held: dict, calls: dict) -> tuple[Recipe, tuple] | None:
         """The recipe for `tensor` saved at this place, and the key of the base it shares with
         other places (its root's autograd node, held by the key), or None where this call
-        differs from calibration's at this place."""
+        differs from calibration's at this place. `calls` holds the unit call's calls bound so
+        far, by (node, output number): a tree reads the one Call of a node that places share."""
         if (tensor.dtype != self.dtype or tensor.size() != self.size or tensor.stride() != self.stride
                 or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != self.nbytes):
             return None
@@ -112,14 +132,14 @@ class PlaceRecipe:
             if node is None or type(node).__name__ != name:
                 return None
             node, nr = node.next_functions[0]
-        root = self._root(node, nr, entries)
+        root = self._root(node, nr, entries, calls)
         if root is None:
             return None
         # The node itself, not its id: its Python object may be made afresh each time it is asked
         # for and dropped at once, leaving its id to another node, whose base this one would take.
         return Recipe(root, self.cast, self.size, self.stride), (node, nr, self.cast)
 
-    def _root(self, node, nr: int, entries: dict) -> Call | Held | None:
+    def _root(self, node, nr: int, entries: dict, calls: dict) -> Call | Held | None:
         if node is None:
             return None
         if self.root == "param":
@@ -129,17 +149,38 @@ class PlaceRecipe:
         if self.root == "held":
             entry = entries[self.source]
             return Held(Source(entry), entry.tensor.numel()) if _reaches(node, nr, entry.tensor) else None
-        if type(node).__name__ != self.node:
+        call = _bound_call(self, node, nr, entries, calls)
+        if call is not None and not call.numel:
+            call.numel = math.prod(self.size)
+        return call
+
+
+def _bound_call(described, node, nr: int, entries: dict, calls: dict) -> Call | None:
+    """The Call `described` (a PlaceRecipe's root or a PlaceCall) makes at (node, nr), if the graph
+    there is calibration's: the node's type, its edges to the held tensors it reads, and each
+    nested call's the same way at its input index. A node already bound in this unit call gives
+    its Call, which the trees that read it share."""
+    if node is None or type(node).__name__ != described.node:
+        return None
+    known = calls.get((node, nr))
+    if known is not None:
+        return known
+    inputs = node.next_functions
+    for slot, index in described.edges:
+        if index >= len(inputs):
             return None
-        inputs = node.next_functions
-        for slot, index in self.edges:
-            fn, fn_nr = inputs[index]
-            edge_node, edge_nr = entries[slot].edge()
-            if fn is not edge_node or fn_nr != edge_nr:
-                return None
-        args = tuple(_bound(a, entries) for a in self.args)
-        kwargs = {k: _bound(v, entries) for k, v in self.kwargs}
-        return Call(self.func, args, kwargs, self.autocast, math.prod(self.size))
+        fn, fn_nr = inputs[index]
+        edge_node, edge_nr = entries[slot].edge()
+        if fn is not edge_node or fn_nr != edge_nr:
+            return None
+    args = tuple(_bound(a, entries, inputs, calls) for a in described.args)
+    kwargs = {k: _bound(v, entries, inputs, calls) for k, v in described.kwargs}
+    if any(v is _DIFFERS for v in (*args, *kwargs.values())):
+        return None
+    # The node is the key, held by the unit call's dict until its forward ends; never by the Call,
+    # which autograd holds until backward (a cycle through its C++, see RebuiltSaves.around).
+    call = calls[(node, nr)] = Call(described.func, args, kwargs, described.autocast, 0)
+    return call
 
 
 @dataclass
@@ -154,12 +195,32 @@ class UnitRecipes:
         return frozenset(slot for recipe in self.places.values() for slot, *_ in recipe.reads)
 
 
-def _bound(value, entries: dict):
+def _bound(value, entries: dict, inputs: tuple, calls: dict):
+    """An argument of a call bound to this unit call: _DIFFERS where a nested call's graph differs."""
     if isinstance(value, Slot):
         return Source(entries[value])
     if isinstance(value, ParamRef):
         return Param(value.tensor, value.tensor._version)
+    if isinstance(value, Nested):
+        if value.index >= len(inputs):
+            return _DIFFERS
+        fn, fn_nr = inputs[value.index]
+        call = _bound_call(value.call, fn, fn_nr, entries, calls)
+        return _DIFFERS if call is None else call
     return value
+
+
+_DIFFERS = object()
+
+
+def count_reads(call: Call) -> None:
+    """One more read of `call`'s output in backward (a new base built from it, or a call that reads
+    it made once): its first read counts the reads of the calls it reads."""
+    if call.shared is None:
+        call.shared = Shared()
+        for nested in call.nested():
+            count_reads(nested)
+    call.shared.uses += 1
 
 
 def _reaches(node, nr: int, tensor: torch.Tensor) -> bool:
@@ -179,29 +240,16 @@ def _reaches(node, nr: int, tensor: torch.Tensor) -> bool:
 
 
 @dataclass
-class _Base:
-    """A root and cast that several saved tensors share (the query, key and value projections
-    each save a cast of one input): built once in backward for all of them."""
-    uses: int = 0
-    tensor: torch.Tensor | None = None
-
-
-@dataclass
 class _Rebuilt:
-    """What autograd holds instead of a saved tensor: how to make it again."""
+    """What autograd holds instead of a saved tensor: how to make it again. Its base is a root and
+    cast that several saved tensors share (the query, key and value projections each save a cast
+    of one input): built once in backward for all of them."""
     recipe: Recipe
-    base: _Base
+    base: Shared
     device_type: str
 
     def tensor(self) -> torch.Tensor:
-        base = self.base
-        if base.tensor is None:
-            base.tensor = self.recipe.build_base(_unchanged, self.device_type)
-        out = self.recipe.shape(base.tensor)
-        base.uses -= 1
-        if base.uses <= 0:  # the last saved tensor of this base: let go of it
-            base.tensor = None
-        return out
+        return self.recipe.shape(self.base.take(lambda: self.recipe.build_base(_unchanged, self.device_type)))
 
 
 @dataclass
@@ -274,9 +322,10 @@ class _UnitCall:
     by_slot: dict = field(default_factory=dict)  # Slot -> _Kept: what replay finds held
     saves: int = 0                              # eligible saves so far
     bases: dict = field(default_factory=dict)   # (root node, output number, cast) -> a number
+    calls: dict = field(default_factory=dict)   # (node, output number) -> its bound Call (bind's)
 
     def __post_init__(self):
-        self.roots = RootRecorder(self.held_of, self.eligible.device.type, views_under_casts=True)
+        self.roots = RootRecorder(self.held_of, self.eligible.device.type, views_under_casts=True, trees=True)
 
     def held_of(self, tensor: torch.Tensor) -> _Kept | None:
         entry = self.held.get((id(tensor), tensor._version))
@@ -296,6 +345,7 @@ class _UnitCall:
         self.held.clear()
         self.by_slot.clear()
         self.bases.clear()
+        self.calls.clear()
 
     def base_number(self, key: tuple) -> int:
         """The number of the base `key` (bind's: its root's node, held here until close) names in
@@ -342,22 +392,44 @@ def place_recipe(recipe: Recipe, tensor: torch.Tensor) -> PlaceRecipe | None:
         source = place_of(root.source)
         return PlaceRecipe("param" if isinstance(source, ParamRef) else "held", source=source,
                            reads=tuple(reads.values()), **shape)
-    args = tuple(place_of(a) for a in root.args)
-    kwargs = tuple((k, place_of(v)) for k, v in root.kwargs.items())
-    inputs = node.next_functions
-    edges = []
-    for value in [*root.args, *root.kwargs.values()]:
-        if not isinstance(value, Source):
-            continue
-        if not value.entry.tensor.requires_grad:
-            return None
-        edge = get_gradient_edge(value.entry.tensor)
-        index = next((i for i, (fn, fn_nr) in enumerate(inputs) if fn is edge.node and fn_nr == edge.output_nr), None)
-        if index is None:
-            return None
-        edges.append((value.entry.slot, index))
-    return PlaceRecipe("call", func=root.func, args=args, kwargs=kwargs, autocast=root.autocast,
-                       node=type(node).__name__, edges=tuple(edges), reads=tuple(reads.values()), **shape)
+    described = _place_call(root, node, place_of)
+    if described is None:
+        return None
+    return PlaceRecipe("call", func=root.func, args=described.args, kwargs=described.kwargs, autocast=root.autocast,
+                       node=described.node, edges=described.edges, reads=tuple(reads.values()), **shape)
+
+
+def _place_call(call: Call, node, place_of: Callable) -> PlaceCall | None:
+    """`call`, whose output autograd's `node` made, in terms of places: the edges by which the node
+    reads each held tensor, and each nested call at the index of its node among the node's inputs.
+    None where replay could not check it (a held tensor read that does not require grad, whose
+    autograd edge says nothing)."""
+    inputs, edges = node.next_functions, []
+
+    def placed(value):
+        if isinstance(value, Call):
+            index = _input_index(inputs, *value.made)
+            inner = _place_call(value, value.made[0], place_of) if index is not None else None
+            return _DIFFERS if inner is None else Nested(index, inner)
+        if isinstance(value, Source):
+            if not value.entry.tensor.requires_grad:
+                return _DIFFERS
+            edge = get_gradient_edge(value.entry.tensor)
+            index = _input_index(inputs, edge.node, edge.output_nr)
+            if index is None:
+                return _DIFFERS
+            edges.append((value.entry.slot, index))
+        return place_of(value)
+
+    args = tuple(placed(a) for a in call.args)
+    kwargs = tuple((k, placed(v)) for k, v in call.kwargs.items())
+    if any(v is _DIFFERS for v in (*args, *(v for _, v in kwargs))):
+        return None
+    return PlaceCall(call.func, args, kwargs, call.autocast, type(node).__name__, tuple(edges))
+
+
+def _input_index(inputs: tuple, node, nr: int) -> int | None:
+    return next((i for i, (fn, fn_nr) in enumerate(inputs) if fn is node and fn_nr == nr), None)
 
 
 class RebuiltSaves:
@@ -377,7 +449,8 @@ class RebuiltSaves:
         self._held_places = frozenset(slot.index for slot in self._sources if slot.kind == "save")
         self._unit = unit
         self._held: dict[Slot, _Kept] = {}
-        self._bases: dict[tuple, _Base] = {}
+        self._bases: dict[tuple, Shared] = {}
+        self._calls: dict[tuple, Call] = {}   # (node, output number) -> the Call trees share
         self._saves = 0
         self.rebuilt_bytes = 0
         self.bases = 0          # bases the rebuilt tensors share, built once each in backward
@@ -404,6 +477,7 @@ class RebuiltSaves:
             # with the rebuilt tensors that share them.
             self._held = {}
             self._bases = {}
+            self._calls = {}
 
     def _pack(self, tensor: torch.Tensor):
         if not self._eligible(tensor):
@@ -411,7 +485,7 @@ class RebuiltSaves:
         place = self._saves
         self._saves += 1
         recipe = self._recipes.places.get(place)
-        bound = recipe.bind(tensor, self._held) if recipe is not None else None
+        bound = recipe.bind(tensor, self._held, self._calls) if recipe is not None else None
         if bound is None:
             if place in self._held_places:
                 self._held[Slot("save", place)] = _Kept(tensor, tensor._version, self._unit)
@@ -419,8 +493,10 @@ class RebuiltSaves:
         rebuild, key = bound
         base = self._bases.get(key)
         if base is None:
-            base = self._bases[key] = _Base()
+            base = self._bases[key] = Shared()
             self.bases += 1
+            if isinstance(rebuild.root, Call):
+                count_reads(rebuild.root)  # built once for this base
         base.uses += 1
         self.rebuilt_bytes += tensor.numel() * tensor.element_size()
         return _Rebuilt(rebuild, base, self._device_type)
@@ -497,10 +573,14 @@ class RebuildProbe:
             return
         place = call.place()
         self.forward_cpu_s += time.perf_counter() - begun
+        call.roots.when_recorded(lambda: self._examine(call, place, tensor, tried, hold_s))
+
+    def _examine(self, call: _UnitCall, place: int, tensor: torch.Tensor, tried: list, hold_s: dict) -> None:
+        """Finds the recipe of the tensor saved at `place`, rebuilds and compares it, or holds it."""
         recipe = call.recipe_for(tensor)
         planned = place_recipe(recipe, tensor) if recipe is not None else None
         begun = time.perf_counter()
-        bound = planned.bind(tensor, call.by_slot) if planned is not None else None
+        bound = planned.bind(tensor, call.by_slot, call.calls) if planned is not None else None
         checked = time.perf_counter()
         if bound is None:
             call.hold(tensor, Slot("save", place))
@@ -511,6 +591,8 @@ class RebuildProbe:
         # that could have read it are missed, which costs bytes, not correctness.
         rebuild, key = bound
         base_key = call.base_number(key)  # not the node: held by _Tried, it would wait for the cycle collector
+        if isinstance(rebuild.root, Call):
+            _keep_results(rebuild.root)
         _keep_busy(tensor.device)
         start, host = self._timer(), time.perf_counter()
         with torch.no_grad():
@@ -545,6 +627,19 @@ class RebuildProbe:
             self.recipes = UnitRecipes({}, self.recipes.autocast)
         else:
             self.recipes.places = {p: r for p, r in self.recipes.places.items() if found.places.get(p) == r}
+
+
+def _keep_results(call: Call) -> None:
+    """Calibration: each call of the unit call is made once, as replay makes it, and kept until the
+    unit's forward ends (_UnitCall.close), when its readers are not known yet: the timings then
+    price a call that trees share once."""
+    if call.shared is None:
+        call.shared = Shared(uses=KEPT)
+        for nested in call.nested():
+            _keep_results(nested)
+
+
+KEPT = 1 << 62  # a use count no unit call reaches
 
 
 # GPU cycles of work queued ahead of a timed rebuild: about 1 ms at an H100's or H200's clock,
