@@ -39,14 +39,14 @@ def _make(config_class, model_class, **config):
 #          the cheap functions whose outputs (or their casts) a planned rebuild makes again)
 ZOO = {
     "llama": (_make(transformers.LlamaConfig, transformers.LlamaForCausalLM, num_key_value_heads=1, **DECODER),
-              "text", {"LlamaDecoderLayer": 2}, None, {"silu"}),
+              "text", {"LlamaDecoderLayer": 2}, None, {"mul", "silu"}),
     "mistral": (_make(transformers.MistralConfig, transformers.MistralForCausalLM, num_key_value_heads=1,
-                      sliding_window=8, **DECODER), "text", {"MistralDecoderLayer": 2}, None, {"silu"}),
+                      sliding_window=8, **DECODER), "text", {"MistralDecoderLayer": 2}, None, {"mul", "silu"}),
     "qwen2": (_make(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, num_key_value_heads=1, **DECODER),
-              "text", {"Qwen2DecoderLayer": 2}, None, {"silu"}),
+              "text", {"Qwen2DecoderLayer": 2}, None, {"mul", "silu"}),
     "mixtral": (_make(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_key_value_heads=1,
                       num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **DECODER),
-                "text", {"MixtralDecoderLayer": 2}, None, {"silu"}),
+                "text", {"MixtralDecoderLayer": 2}, None, {"mul", "silu"}),
     "gpt_neox": (_make(transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, **DECODER),
                  "text", {"GPTNeoXLayer": 2}, None, {"gelu", "layer_norm"}),
     "falcon": (_make(transformers.FalconConfig, transformers.FalconForCausalLM, vocab_size=VOCAB, hidden_size=32,
@@ -54,7 +54,7 @@ ZOO = {
                {"gelu", "layer_norm"}),
     "t5": (_make(transformers.T5Config, transformers.T5ForConditionalGeneration, vocab_size=VOCAB, d_model=32,
                  d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0),
-           "text", {"T5Block": 4}, None, set()),  # RMS norm by hand, ReLU then dropout: weight casts only
+           "text", {"T5Block": 4}, None, {"mul"}),  # RMS norm by hand: its scaling by the weight
     "bart": (_make(transformers.BartConfig, transformers.BartForConditionalGeneration, vocab_size=VOCAB, d_model=32,
                    encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
                    encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64),
@@ -65,7 +65,7 @@ ZOO = {
                    "text", {"DebertaV2Layer": 2}, None, {"gelu", "layer_norm"}),
     "albert": (_make(transformers.AlbertConfig, transformers.AlbertForMaskedLM, vocab_size=VOCAB, embedding_size=16,
                      hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64),
-               "text", {"AlbertLayer": 1}, ["AlbertLayer"], {"layer_norm"}),  # one layer, called at every depth
+               "text", {"AlbertLayer": 1}, ["AlbertLayer"], {"add", "layer_norm", "mul", "tanh"}),  # one layer, called at every depth
     "whisper": (_make(transformers.WhisperConfig, transformers.WhisperForConditionalGeneration, vocab_size=VOCAB,
                       num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                       decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=8,
@@ -77,39 +77,39 @@ ZOO = {
                                     intermediate_size=64),
                    vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                       image_size=IMAGE, patch_size=4)),
-             "text and image", {"CLIPEncoderLayer": 4}, None, {"layer_norm"}),  # two towers; quick GELU by hand
+             "text and image", {"CLIPEncoderLayer": 4}, None, {"layer_norm", "mul"}),  # two towers; quick GELU by hand
     "gpt2": (_make(transformers.GPT2Config, transformers.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=32, n_layer=2,
-                   n_head=2, n_positions=64), "text", {"GPT2Block": 2}, None, {"layer_norm"}),  # GELU by hand
+                   n_head=2, n_positions=64), "text", {"GPT2Block": 2}, None, {"add", "layer_norm", "mul", "tanh"}),  # GELU by hand: a tree over its input
     "gemma2": (_make(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, num_key_value_heads=1, head_dim=16,
-                     sliding_window=8, **DECODER), "text", {"Gemma2DecoderLayer": 2}, None, {"gelu"}),
+                     sliding_window=8, **DECODER), "text", {"Gemma2DecoderLayer": 2}, None, {"add", "gelu", "mul"}),
     "phi": (_make(transformers.PhiConfig, transformers.PhiForCausalLM, **DECODER),  # attention beside the MLP
-            "text", {"PhiDecoderLayer": 2}, None, {"layer_norm"}),
+            "text", {"PhiDecoderLayer": 2}, None, {"add", "layer_norm", "mul", "tanh"}),
     "opt": (_make(transformers.OPTConfig, transformers.OPTForCausalLM, vocab_size=VOCAB, hidden_size=32,
                   num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32,
                   max_position_embeddings=64), "text", {"OPTDecoderLayer": 2}, None, {"layer_norm"}),
     "bloom": (_make(transformers.BloomConfig, transformers.BloomForCausalLM, vocab_size=VOCAB, hidden_size=32,
                     n_layer=2, n_head=2), "text", {"BloomBlock": 2}, None, {"layer_norm"}),  # ALiBi
     "gptj": (_make(transformers.GPTJConfig, transformers.GPTJForCausalLM, vocab_size=VOCAB, n_embd=32, n_layer=2,
-                   n_head=2, rotary_dim=8, n_positions=64), "text", {"GPTJBlock": 2}, None, {"layer_norm"}),
+                   n_head=2, rotary_dim=8, n_positions=64), "text", {"GPTJBlock": 2}, None, {"add", "layer_norm", "mul", "tanh"}),
     "distilbert": (_make(transformers.DistilBertConfig, transformers.DistilBertForMaskedLM, vocab_size=VOCAB, dim=32,
                          n_layers=2, n_heads=2, hidden_dim=64),
                    "text", {"TransformerBlock": 2}, None, {"gelu", "layer_norm"}),
     "qwen2_moe": (_make(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, num_key_value_heads=1,
                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=32, experts_implementation="eager", **DECODER),
-                  "text", {"Qwen2MoeDecoderLayer": 2}, None, {"silu"}),  # a shared expert beside the routed
+                  "text", {"Qwen2MoeDecoderLayer": 2}, None, {"mul", "silu"}),  # a shared expert beside the routed
     "mamba": (_make(transformers.MambaConfig, transformers.MambaForCausalLM, vocab_size=VOCAB, hidden_size=32,
                     num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4),  # a selective scan, no attention:
-              "text", {"MambaBlock": 2}, None, {"silu"}),  # it saves slices of larger tensors, which move as laid out
+              "text", {"MambaBlock": 2}, None, {"exp", "mul", "neg", "silu"}),  # it saves slices of larger tensors, which move as laid out
     "vit": (_make(transformers.ViTConfig, transformers.ViTForImageClassification, hidden_size=32, num_hidden_layers=2,
                   num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4, num_labels=3),
             "image", {"ViTLayer": 2}, None, {"gelu", "layer_norm"}),
     "dinov2": (_make(transformers.Dinov2Config, transformers.Dinov2ForImageClassification, hidden_size=32,
                      num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4,
-                     num_labels=3), "image", {"Dinov2Layer": 2}, None, {"gelu", "layer_norm"}),  # layer scale
+                     num_labels=3), "image", {"Dinov2Layer": 2}, None, {"add", "gelu", "layer_norm"}),  # layer scale
     "beit": (_make(transformers.BeitConfig, transformers.BeitForImageClassification, hidden_size=32,
                    num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=IMAGE, patch_size=4,
-                   num_labels=3), "image", {"BeitLayer": 2}, None, {"gelu", "layer_norm"}),
+                   num_labels=3), "image", {"BeitLayer": 2}, None, {"add", "gelu", "layer_norm"}),
     "mobilevit": (_make(transformers.MobileViTConfig, transformers.MobileViTForImageClassification, image_size=IMAGE,
                         patch_size=2, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 8, 8, 8, 8, 16],
                         num_labels=3),  # convolutions and transformer layers, three classes of block
