@@ -71,6 +71,41 @@ def test_gpt2s_gelu_rebuilds_and_trains_as_plain_autograd_does(monkeypatch, dtyp
     planner.remove()
 
 
+@pytest.fixture
+def pow_in_float32():
+    """pow under CPU autocast as CUDA's autocast runs it: on a float32 copy of its input, which it
+    saves (autograd's ToCopyBackward0 below its PowBackward0), instead of the bf16 input itself."""
+    library = torch.library.Library("aten", "IMPL")
+
+    def pow_widened(tensor, exponent):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+            return torch.ops.aten.pow.Tensor_Scalar(tensor.to(torch.float32), exponent)
+    library.impl("pow.Tensor_Scalar", pow_widened, "AutocastCPU")
+    yield
+    library._destroy()
+
+
+def test_a_gelu_whose_pow_saves_a_float32_copy_rebuilds_from_it(monkeypatch, pow_in_float32):
+    """x itself is then saved by nothing: the trees read it as the float32 copy cast back to bf16."""
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    planner = planned(model, ids_of(), autocast=True)
+    for unit in recipes_of(planner).values():
+        assert sorted(r.node for r in gelu_places(unit).values()) == [
+            "AddBackward0", "MulBackward0", "MulBackward0", "TanhBackward0"]
+        half_x = next(r for r in gelu_places(unit).values() if r.node == "MulBackward0" and r.widened)
+        assert [a.dtype for a in half_x.args if isinstance(a, rebuilt_module.Narrowed)] == [torch.bfloat16]
+    counter = PackCounter(monkeypatch)
+    loss = loss_of(model, ids_of(3), autocast=True)
+    loss.backward()
+    expected = loss_of(plain, ids_of(3), autocast=True)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert counter.rebuilt >= 3 * 4
+    planner.remove()
+
+
 def test_a_call_trees_share_runs_once_per_unit_backward(monkeypatch):
     """tanh is read by its own place, by 1 + t's and by the product's: one tanh per block in backward."""
     model = tiny_gpt2(torch.float64)

@@ -56,6 +56,10 @@ VIEW_NODES = frozenset({
     "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ReshapeAliasBackward0",
 })
 CAST_NODE = "ToCopyBackward0"
+# (narrow, wide) dtypes whose widening keeps every value: the wide copy cast back gives the same bits.
+EXACT_WIDENINGS = frozenset({(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                             (torch.bfloat16, torch.float64), (torch.float16, torch.float64),
+                             (torch.float32, torch.float64)})
 MAX_CHAIN = 8  # view nodes between a saved tensor and its root; BERT needs 3
 
 
@@ -75,8 +79,11 @@ class Param:
 
 @dataclass
 class Source:
-    """A tensor saved this step: ActivationOffload's entry for it (kept tensor or host copy)."""
+    """A tensor saved this step: ActivationOffload's entry for it (kept tensor or host copy), or,
+    with `cast`, the narrower tensor it is an exact widening of (autocast runs pow in float32 and
+    saves the float32 copy of a bf16 input, which the GELU's other calls read as it was)."""
     entry: Any
+    cast: torch.dtype | None = None
 
 
 @dataclass
@@ -202,6 +209,9 @@ class RootRecorder:
         self.functions = CHEAP_FUNCTIONS | ELEMENTWISE_FUNCTIONS if trees else CHEAP_FUNCTIONS
         self._roots: dict[tuple, tuple[Any, Call | Held]] = {}  # (id(node), nr) -> (node, root)
         self._held_edges: dict[tuple, tuple] = {}  # (id(grad_fn), nr) -> (grad_fn, entry, version when held)
+        # (id(node), nr) of a tensor a held tensor is an exact widening of -> (node, entry, its version, dtype)
+        self._widened: dict[tuple, tuple] = {}
+        self._inputs_now: list = []  # the tensors the call just recorded read, while saves made in it are looked at
         self._waiting: list | None = None  # while a recorded function runs: what waits for its record
 
     def mode(self) -> TorchFunctionMode:
@@ -211,6 +221,7 @@ class RootRecorder:
     def clear(self) -> None:
         self._roots.clear()
         self._held_edges.clear()
+        self._widened.clear()
 
     def when_recorded(self, look: Callable[[], None]) -> None:
         """Runs `look` once the function running now is recorded, or at once if none runs. A
@@ -225,9 +236,23 @@ class RootRecorder:
         """`tensor` was just saved and is held as `entry`: views and casts of it need not move."""
         if self._trees and tensor.grad_fn is not None:
             self._held_edges[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, entry, tensor._version)
+            self._note_widening(tensor, entry)
         node, nr = _root_of(tensor)
         if node is not None and _covers_storage(tensor):
             self._roots[(id(node), nr)] = (node, Held(Source(entry), tensor.numel()))
+
+    def _note_widening(self, tensor: torch.Tensor, entry: Any) -> None:
+        """Where `tensor` is autocast's exact widening of an input of the call that saved it (pow
+        under CUDA autocast saves a float32 copy of its bf16 input), that input can be had back from
+        it: casting it back down gives the same bits."""
+        node = tensor.grad_fn
+        if type(node).__name__ != CAST_NODE or len(node.next_functions) != 1:
+            return
+        below, below_nr = node.next_functions[0]
+        for value in self._inputs_now:
+            if value.grad_fn is below and value.output_nr == below_nr and (value.dtype, tensor.dtype) in EXACT_WIDENINGS:
+                self._widened[(id(below), below_nr)] = (below, entry, value._version, value.dtype)
+                return
 
     def add_call(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         node = out.grad_fn if isinstance(out, torch.Tensor) else None
@@ -295,6 +320,10 @@ class RootRecorder:
             _, entry, version = held
             # Held as it was when the call read it: unchanged in place in between.
             return Source(entry) if version == ref.version else None
+        widened = self._widened.get((id(ref.node), ref.nr))
+        if widened is not None and widened[0] is ref.node:
+            _, entry, version, dtype = widened
+            return Source(entry, cast=dtype) if (version, dtype) == (ref.version, ref.dtype) else None
         found = self._roots.get((id(ref.node), ref.nr))
         if found is None or found[0] is not ref.node or not isinstance(found[1], Call):
             return None
@@ -319,7 +348,7 @@ class RootRecorder:
         if value.is_leaf and value.requires_grad:
             return Param(value, value._version)
         if self._trees and value.grad_fn is not None:
-            return _Ref(value.grad_fn, value.output_nr, value._version)
+            return _Ref(value.grad_fn, value.output_nr, value._version, value.dtype)
         return _UNHELD
 
 
@@ -330,6 +359,7 @@ class _Ref:
     node: Any
     nr: int
     version: int
+    dtype: torch.dtype
 
 
 class _CheapCallMode(TorchFunctionMode):
@@ -349,8 +379,12 @@ class _CheapCallMode(TorchFunctionMode):
             waiting = recorder._waiting
         finally:
             recorder._waiting = None
-        for look in waiting:
-            look()
+        recorder._inputs_now = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        try:
+            for look in waiting:
+                look()
+        finally:
+            recorder._inputs_now = []
         return out
 
 
@@ -368,7 +402,10 @@ def _value(value, fetch, device_type: str):
         return value.get()
     if isinstance(value, Call):
         return value.run(fetch, device_type)
-    return fetch(value.entry) if isinstance(value, Source) else value
+    if isinstance(value, Source):
+        tensor = fetch(value.entry)
+        return tensor if value.cast is None else tensor.to(value.cast)
+    return value
 
 
 def _leaves(root: Call | Held) -> list:

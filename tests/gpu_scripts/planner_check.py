@@ -574,6 +574,27 @@ def gpt2() -> dict:
             "lean_loss_upcasts": summary["lean_loss_upcasts"]}
 
 
+def rebuild_gpt2() -> dict:
+    """A small GPT-2 (dropout 0.1, bf16 autocast), every block kept with its cheap saves rebuilt:
+    its GELU is a chain of elementwise calls (transformers' NewGELUActivation), whose saves
+    backward makes again from the first linear's output. The same losses as plain training, and
+    the share of a block's saved bytes rebuilt."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make():
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=6, n_head=4, n_positions=256)
+        with um_alloc.tag("parameter"):
+            model = GPT2LMHeadModel(config).cuda().train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    losses, planner = side_by_side(make, lambda data: torch.randint(0, 4096, (16, 256), generator=data),
+                                   decisions=["rebuild"])
+    blocks = [u for u in planner.calibration.units if u.kind == "block"]
+    return {**losses, "plan": made_plan(planner).counts(),
+            "rebuilt_share": sum(u.rebuildable_bytes for u in blocks) / sum(u.saved_bytes for u in blocks)}
+
+
 def large_batch() -> dict:
     """large_batch.yaml's three parts at once: the planner, AdamW's moments in host memory mapped
     for the GPU, and the MLM head's large allocations spilled to host memory (here those of at
@@ -593,7 +614,7 @@ def large_batch() -> dict:
 MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
          "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty, "attributes": attributes,
-         "chain": chain}
+         "chain": chain, "rebuild_gpt2": rebuild_gpt2}
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs compared bit for bit

@@ -42,7 +42,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..byte_views import storage_bytes
-from ..rebuild import MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Shared, Source, _root_of, as_saved
+from ..rebuild import (CAST_NODE, MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, RootRecorder, Shared, Source,
+                       _root_of, as_saved)
 from ..tensor_trees import tensors as _tensors
 
 __all__ = ["RebuildProbe", "RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
@@ -79,6 +80,15 @@ class PlaceCall:
     autocast: tuple
     node: str                    # its node's type name
     edges: tuple                 # (Slot of a tensor it reads, index among its node's inputs)
+    widened: tuple = ()          # (Slot of a widening it reads back, index of the widened tensor's edge)
+
+
+@dataclass(frozen=True)
+class Narrowed:
+    """An input of a call that the tensor held at `slot` is an exact widening of (autocast's float32
+    copy for pow): that tensor cast back to `dtype`, the same bits."""
+    slot: Slot
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class PlaceRecipe:
     autocast: tuple = ()
     node: str = ""               # the root node's type name ("call")
     edges: tuple = ()            # (Slot of a tensor it reads, index among the root node's inputs)
+    widened: tuple = ()          # as PlaceCall's
 
     def bind(self, tensor: torch.Tensor, held: dict, calls: dict) -> tuple[Recipe, tuple] | None:
         """The recipe for `tensor` saved at this place, and the key of the base it shares with
@@ -173,6 +184,10 @@ def _bound_call(described, node, nr: int, entries: dict, calls: dict) -> Call | 
         edge_node, edge_nr = entries[slot].edge()
         if fn is not edge_node or fn_nr != edge_nr:
             return None
+    for slot, index in described.widened:
+        below = entries[slot].widened_from()
+        if index >= len(inputs) or below is None or inputs[index][0] is not below[0] or inputs[index][1] != below[1]:
+            return None
     args = tuple(_bound(a, entries, inputs, calls) for a in described.args)
     kwargs = {k: _bound(v, entries, inputs, calls) for k, v in described.kwargs}
     if any(v is _DIFFERS for v in (*args, *kwargs.values())):
@@ -201,6 +216,8 @@ def _bound(value, entries: dict, inputs: tuple, calls: dict):
         return Source(entries[value])
     if isinstance(value, ParamRef):
         return Param(value.tensor, value.tensor._version)
+    if isinstance(value, Narrowed):
+        return Source(entries[value.slot], cast=value.dtype)
     if isinstance(value, Nested):
         if value.index >= len(inputs):
             return _DIFFERS
@@ -267,6 +284,13 @@ class _Kept:
         if self._layout is None:
             self._layout = [self.tensor.dtype, self.tensor.size(), self.tensor.stride()]
         return self._layout
+
+    def widened_from(self) -> tuple | None:
+        """The edge (node, output number) of the tensor it is a cast of, if it is one."""
+        node = self.tensor.grad_fn
+        if type(node).__name__ != CAST_NODE or len(node.next_functions) != 1:
+            return None
+        return node.next_functions[0]
 
     def edge(self) -> tuple:
         """Its autograd edge (node, output number), found once: several places' roots read one held
@@ -396,7 +420,8 @@ def place_recipe(recipe: Recipe, tensor: torch.Tensor) -> PlaceRecipe | None:
     if described is None:
         return None
     return PlaceRecipe("call", func=root.func, args=described.args, kwargs=described.kwargs, autocast=root.autocast,
-                       node=described.node, edges=described.edges, reads=tuple(reads.values()), **shape)
+                       node=described.node, edges=described.edges, widened=described.widened,
+                       reads=tuple(reads.values()), **shape)
 
 
 def _place_call(call: Call, node, place_of: Callable) -> PlaceCall | None:
@@ -404,9 +429,24 @@ def _place_call(call: Call, node, place_of: Callable) -> PlaceCall | None:
     reads each held tensor, and each nested call at the index of its node among the node's inputs.
     None where replay could not check it (a held tensor read that does not require grad, whose
     autograd edge says nothing)."""
-    inputs, edges = node.next_functions, []
+    inputs, edges, widened = node.next_functions, [], []
 
     def placed(value):
+        if isinstance(value, Source) and value.cast is not None:
+            # The call read the narrow tensor (0.5 * x reads x), or the widening itself: the call
+            # that saved it (pow) reads autocast's copy, which its rerun makes again.
+            held = value.entry.tensor
+            below = held.grad_fn.next_functions[0] if type(held.grad_fn).__name__ == CAST_NODE else None
+            index = _input_index(inputs, *below) if below is not None else None
+            if index is not None:
+                widened.append((value.entry.slot, index))
+            else:
+                edge = get_gradient_edge(held)
+                index = _input_index(inputs, edge.node, edge.output_nr)
+                if index is None:
+                    return _DIFFERS
+                edges.append((value.entry.slot, index))
+            return Narrowed(place_of(value), value.cast)
         if isinstance(value, Call):
             index = _input_index(inputs, *value.made)
             inner = _place_call(value, value.made[0], place_of) if index is not None else None
@@ -425,7 +465,7 @@ def _place_call(call: Call, node, place_of: Callable) -> PlaceCall | None:
     kwargs = tuple((k, placed(v)) for k, v in call.kwargs.items())
     if any(v is _DIFFERS for v in (*args, *(v for _, v in kwargs))):
         return None
-    return PlaceCall(call.func, args, kwargs, call.autocast, type(node).__name__, tuple(edges))
+    return PlaceCall(call.func, args, kwargs, call.autocast, type(node).__name__, tuple(edges), tuple(widened))
 
 
 def _input_index(inputs: tuple, node, nr: int) -> int | None:
