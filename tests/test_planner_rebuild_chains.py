@@ -106,12 +106,9 @@ def test_a_gelu_whose_pow_saves_a_float32_copy_rebuilds_from_it(monkeypatch, pow
     planner.remove()
 
 
-def test_a_call_trees_share_runs_once_per_unit_backward(monkeypatch):
-    """tanh is read by its own place, by 1 + t's and by the product's: one tanh per block in backward."""
-    model = tiny_gpt2(torch.float64)
-    ids = ids_of()
-    planner = planned(model, ids, autocast=False)
-    loss = loss_of(model, ids, autocast=False)
+@pytest.fixture
+def call_runs(monkeypatch) -> list:
+    """The names of the functions recipes' calls run, in order, from when it is asked for."""
     runs = []
     run = rebuild_module.Call._run
 
@@ -119,6 +116,16 @@ def test_a_call_trees_share_runs_once_per_unit_backward(monkeypatch):
         runs.append(call.func.__name__)
         return run(call, fetch, device_type)
     monkeypatch.setattr(rebuild_module.Call, "_run", counted)
+    return runs
+
+
+def test_a_call_trees_share_runs_once_per_unit_backward(request):
+    """tanh is read by its own place, by 1 + t's and by the product's: one tanh per block in backward."""
+    model = tiny_gpt2(torch.float64)
+    ids = ids_of()
+    planner = planned(model, ids, autocast=False)
+    loss = loss_of(model, ids, autocast=False)
+    runs = request.getfixturevalue("call_runs")  # only the planned step's backward counts
     loss.backward()
     planner.remove()
     # Per block: tanh, the four calls under it, 1 + t, 0.5 * x, the product: each once.
@@ -126,15 +133,9 @@ def test_a_call_trees_share_runs_once_per_unit_backward(monkeypatch):
     assert runs.count("mul") == 3 * 4 and runs.count("add") == 3 * 2
 
 
-def test_calibration_times_a_shared_call_once(monkeypatch):
+def test_calibration_times_a_shared_call_once(call_runs):
     """The probe makes each call of a unit call once, as replay does: its timings price that."""
-    runs = []
-    run = rebuild_module.Call._run
-
-    def counted(call, fetch, device_type):
-        runs.append(call.func.__name__)
-        return run(call, fetch, device_type)
-    monkeypatch.setattr(rebuild_module.Call, "_run", counted)
+    runs = call_runs
     model = tiny_gpt2(torch.float64)
     ids = ids_of()
     planner = BlockPlanner(model, "1GiB", decisions=["rebuild"], lean_loss=False)

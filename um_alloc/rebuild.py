@@ -134,10 +134,6 @@ class Call:
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             return self.func(*args, **kwargs)
 
-    def size(self) -> int:
-        """The calls in its tree, itself included."""
-        return 1 + sum(c.size() for c in self.nested())
-
 
 @dataclass
 class Held:

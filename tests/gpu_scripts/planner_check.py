@@ -556,19 +556,20 @@ def _upcast_case(dtype, autocast: bool, biased: bool = False) -> dict:
             "took_narrow": mode.upcast_calls == 1}
 
 
+def small_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=6, n_head=4, n_positions=256)
+    with um_alloc.tag("parameter"):
+        model = GPT2LMHeadModel(config).cuda().train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def gpt2() -> dict:
     """A small GPT-2, whose loss upcasts its logits (transformers' ForCausalLMLoss), planned and
     plain: the same losses, the loss computed from the bf16 logits."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def make():
-        torch.manual_seed(0)
-        config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=6, n_head=4, n_positions=256)
-        with um_alloc.tag("parameter"):
-            model = GPT2LMHeadModel(config).cuda().train()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    losses, planner = side_by_side(make, lambda data: torch.randint(0, 4096, (16, 256), generator=data))
+    losses, planner = side_by_side(small_gpt2, lambda data: torch.randint(0, 4096, (16, 256), generator=data))
     summary = planner.to_dict()
     return {**losses, "plan": made_plan(planner).counts(), "lean_loss_calls": summary["lean_loss_calls"],
             "lean_loss_upcasts": summary["lean_loss_upcasts"]}
@@ -579,16 +580,7 @@ def rebuild_gpt2() -> dict:
     its GELU is a chain of elementwise calls (transformers' NewGELUActivation), whose saves
     backward makes again from the first linear's output. The same losses as plain training, and
     the share of a block's saved bytes rebuilt."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def make():
-        torch.manual_seed(0)
-        config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=6, n_head=4, n_positions=256)
-        with um_alloc.tag("parameter"):
-            model = GPT2LMHeadModel(config).cuda().train()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    losses, planner = side_by_side(make, lambda data: torch.randint(0, 4096, (16, 256), generator=data),
+    losses, planner = side_by_side(small_gpt2, lambda data: torch.randint(0, 4096, (16, 256), generator=data),
                                    decisions=["rebuild"])
     blocks = [u for u in planner.calibration.units if u.kind == "block"]
     return {**losses, "plan": made_plan(planner).counts(),
