@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from um_alloc.planner import BlockPlanner, Decision, UnitCost, evaluate
+from um_alloc.planner import rebuild_probe as probe_module
 from um_alloc.planner import rebuilt as rebuilt_module
 from um_alloc.planner.rebuilt import Slot
 from um_alloc.planner.planning import Calibration, Segment
@@ -90,7 +91,7 @@ def test_bases_are_told_apart_when_every_nodes_id_is_the_same(monkeypatch):
     times each base replay builds, once."""
     monkeypatch.setattr(rebuilt_module, "id", lambda obj: 0, raising=False)
     probes, replays = [], []
-    for cls, made in ((rebuilt_module.RebuildProbe, probes), (rebuilt_module.RebuiltSaves, replays)):
+    for cls, made in ((probe_module.RebuildProbe, probes), (rebuilt_module.RebuiltSaves, replays)):
         def noted(obj, *args, init=cls.__init__, made=made):
             init(obj, *args)
             made.append(obj)
@@ -335,13 +336,13 @@ def test_a_step_that_fails_leaves_nothing_of_itself_alive(decision, where):
 def test_a_large_saves_rebuild_is_compared_a_slice_at_a_time(monkeypatch):
     """The comparison's temporary is a byte per byte compared: a large saved tensor is compared in
     slices, and a difference in any of them, the last included, is found."""
-    monkeypatch.setattr(rebuilt_module, "COMPARED_BYTES", 16)
+    monkeypatch.setattr(probe_module, "COMPARED_BYTES", 16)
     saved = torch.arange(40, dtype=torch.float32)        # 160 bytes: ten slices
-    assert not bool(rebuilt_module._differs(saved.clone(), saved))
+    assert not bool(probe_module._differs(saved.clone(), saved))
     for where in (0, 17, 39):
         changed = saved.clone()
         changed[where] += 1
-        assert bool(rebuilt_module._differs(changed, saved))
+        assert bool(probe_module._differs(changed, saved))
     small = torch.arange(3, dtype=torch.float32)          # 12 bytes: one comparison
-    assert not bool(rebuilt_module._differs(small.clone(), small))
-    assert rebuilt_module._differs(saved.view(4, 10), saved.view(10, 4)) is True
+    assert not bool(probe_module._differs(small.clone(), small))
+    assert probe_module._differs(saved.view(4, 10), saved.view(10, 4)) is True

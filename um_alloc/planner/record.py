@@ -22,7 +22,7 @@ from ..install import is_installed
 from ..pool import ChunkPool
 from .alone import AloneCalls
 from .planning import Calibration, Segment, UnitCost
-from .rebuilt import RebuildProbe
+from .rebuild_probe import RebuildProbe
 
 __all__ = ["MemoryProbe", "StepRecorder", "link_rate"]
 

@@ -90,7 +90,7 @@ class StepSpec:
     decisions: tuple[Decision, ...]
     recorder: StepRecorder | None = None
     count_ops: bool = False        # time and size the ops a selective recompute keeps, and find
-    #                                what a kept unit could rebuild (rebuilt.RebuildProbe)
+    #                                what a kept unit could rebuild (rebuild_probe.RebuildProbe)
     rebuilds: dict = field(default_factory=dict)  # unit -> what its rebuild decision rebuilds (UnitRecipes)
     full_recompute: bool = False   # no early stop: a recompute rebuilds all a unit saves
     owner: Any = None              # the director's own record of the step's input shape
