@@ -46,8 +46,8 @@ CHEAP_FUNCTIONS = {F.gelu, F.silu, F.relu, F.layer_norm, F.rms_norm}
 _ELEMENTWISE = ("mul", "add", "sub", "div", "true_divide", "pow", "tanh", "sigmoid", "exp", "rsqrt", "neg")
 _OPERATORS = ("__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__truediv__",
               "__rtruediv__", "__div__", "__rdiv__", "__pow__", "__rpow__", "__neg__")
-ELEMENTWISE_FUNCTIONS = frozenset([getattr(torch, n) for n in _ELEMENTWISE] + [getattr(torch.Tensor, n) for n in _ELEMENTWISE]
-                                  + [getattr(torch.Tensor, n) for n in _OPERATORS])
+ELEMENTWISE_FUNCTIONS = frozenset([getattr(torch, n) for n in _ELEMENTWISE]
+                                  + [getattr(torch.Tensor, n) for n in (*_ELEMENTWISE, *_OPERATORS)])
 MAX_CALLS = 12  # calls in one recipe's tree: GPT-2's GELU product needs 8
 
 # Autograd nodes of views: the saved tensor shares its root's storage.
@@ -246,7 +246,8 @@ class RootRecorder:
             return
         below, below_nr = node.next_functions[0]
         for value in self._inputs_now:
-            if value.grad_fn is below and value.output_nr == below_nr and (value.dtype, tensor.dtype) in EXACT_WIDENINGS:
+            exact = (value.dtype, tensor.dtype) in EXACT_WIDENINGS
+            if value.grad_fn is below and value.output_nr == below_nr and exact:
                 self._widened[(id(below), below_nr)] = (below, entry, value._version, value.dtype)
                 return
 

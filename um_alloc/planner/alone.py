@@ -13,10 +13,10 @@ is in flight, each one runs again by itself: its forward, then its backward to i
 parameters through torch.autograd.grad (no .grad is touched), twice, the second timed on CUDA
 events. Its tensor arguments are new tensors of the same shapes, strides and dtypes (random
 floating values; other tensors are the call's own), its buffers copies of the forward's, the
-RNG's state as it was, and autocast as the call had it. A call that fails (a unit that needs its real inputs, parameters
-only its wrapper gathers), whose outputs seen need no gradient (its backward would seem free),
-or that the budget cannot hold leaves its unit without the figures, and the base prices that
-unit from the safe step as before.
+RNG's state as it was, and autocast as the call had it. A call that fails (a unit that needs its
+real inputs, parameters only its wrapper gathers), whose outputs seen need no gradient (its
+backward would seem free), or that the budget cannot hold leaves its unit without the figures,
+and the base prices that unit from the safe step as before.
 """
 from __future__ import annotations
 

@@ -65,16 +65,14 @@ class StepArenas:
         """Around work of a step's kind done between steps (units run by themselves, alone.py):
         it allocates from the step arenas, as a step does, so that nothing of it is left among
         the arenas that outlast steps, and never overflows to host memory."""
-        if self._pool is None:
-            yield
-            return
-        self._pool.set_overflow(0)
-        self._pool.set_step_arenas(True)
+        overflow = self._overflow
+        self.allow_overflow(0)
+        self.open()
         try:
             yield
         finally:
-            self._pool.set_step_arenas(False)
-            self._pool.set_overflow(self._overflow)
+            self.close()
+            self.allow_overflow(overflow)
 
     def overflow_peak(self) -> int:
         """The most bytes held in host memory that way at once since the last call."""
