@@ -11,6 +11,13 @@ each step's loss, as most training loops do: the host then waits for every step.
 difference between two forced plans is what one decision costs against the other: the figure
 the planner's cost model (um_alloc.planner.planning.UnitCost.cost_s) has to predict.
 
+--host-lead MS times each plan's phases (forward, backward, optimizer step) on the GPU's clock and
+the host's, and again over as many steps with MS milliseconds of GPU sleep queued before forward
+and before backward: the host has then issued the phase before the GPU starts it, so the GPU's
+time is its own work. The difference is the time the GPU waited for the host in that phase (where
+it is large, the host sets the step's pace, and what the host does there is what costs).
+--decisions adds others to the forced plans (move, recompute_moved).
+
 One process, one JSON record (bench/results/RUN_ID/decision_costs.json unless --out): the
 forced plans' measured and predicted step times, the per-block costs both ways, and the
 calibration the predictions came from.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from harness import RESULTS, new_run_id, write_result
@@ -27,6 +35,7 @@ from harness import RESULTS, new_run_id, write_result
 import torch
 
 FORCED = ("keep", "rebuild", "recompute")
+PHASES = ("forward", "backward", "optimizer")
 
 
 def build(args):
@@ -61,14 +70,71 @@ def timed_steps(step, n: int) -> float:
     return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:]))
 
 
+def sleep_cycles_per_ms() -> float:
+    """torch.cuda._sleep's cycles per millisecond on this GPU (its clock), measured once."""
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+class PhaseClock:
+    """Per step: each phase's time on the GPU's clock (CUDA events around it) and the forward's and
+    backward's on the host's. With `lead` cycles, a GPU sleep is queued before forward and before
+    backward, outside the phases' events, so that the host runs ahead of the GPU."""
+
+    def __init__(self, lead: int = 0):
+        self.lead, self.steps = lead, []
+        self._events: list = []
+        self._host: list[float] = []
+
+    def mark(self, boundary: int) -> None:
+        """Boundary 0: before forward, 1: after forward, 2: after backward, 3: after the optimizer."""
+        if self.lead and boundary in (0, 1):
+            if boundary == 1:
+                self._events.append(torch.cuda.Event(enable_timing=True))
+                self._events[-1].record()
+            torch.cuda._sleep(self.lead)
+        if boundary == 0:
+            self._events, self._host = [], []
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._events.append(event)
+        self._host.append(time.perf_counter())
+        if boundary == 3:
+            self.steps.append((self._events, self._host))
+
+    def medians_ms(self) -> dict:
+        """Each phase's median milliseconds on the GPU, and forward's and backward's on the host."""
+        torch.cuda.synchronize()
+        rows = []
+        for events, host in self.steps:
+            pairs = list(zip(events, events[1:]))
+            if self.lead:  # [start, forward's end, backward's start, backward's end, optimizer's end]
+                pairs = [pairs[0], pairs[2], pairs[3]]
+            rows.append([a.elapsed_time(b) for a, b in pairs] + [1e3 * (host[1] - host[0]), 1e3 * (host[2] - host[1])])
+        keys = [f"{p}_gpu_ms" for p in PHASES] + ["forward_host_ms", "backward_host_ms"]
+        return {k: round(statistics.median(r[i] for r in rows), 3) for i, k in enumerate(keys)}
+
+
+def waits_for_host(phases: dict, alone: dict) -> dict:
+    """Milliseconds the GPU waited for the host in forward and backward: each phase's time less
+    its time with the host ahead."""
+    return {f"{p}_waits_ms": round(phases[f"{p}_gpu_ms"] - alone[f"{p}_gpu_ms"], 3) for p in PHASES[:2]}
+
+
 def per_block_costs(rows: dict, blocks: int) -> dict:
-    """Per block, what rebuilding and recomputing cost against keeping, measured and predicted
-    (where every block kept fit the budget)."""
-    keep = rows["every block keep"]
+    """Per block, what each other forced decision costs against keeping, measured and predicted
+    (where every block kept, and every block of that decision, ran)."""
+    keep = rows.get("every block keep")
     out = {}
-    for d in FORCED[1:]:
-        row = rows[f"every block {d}"]
-        if keep["status"] != "ok" or row["status"] != "ok":
+    for name, row in rows.items():
+        d = name.removeprefix("every block ")
+        if d == name or d == "keep" or keep is None or keep["status"] != "ok" or row["status"] != "ok":
             continue
         out[d] = {"measured_ms": 1e3 * (row["measured_step_s"] - keep["measured_step_s"]) / blocks,
                   "predicted_ms": 1e3 * (row["predicted_step_s"] - keep["predicted_step_s"]) / blocks}
@@ -77,7 +143,10 @@ def per_block_costs(rows: dict, blocks: int) -> dict:
     return out
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, checked before any GPU work; args.forced: the block decisions forced in turn."""
+    from um_alloc.planner import Decision
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", default="40GiB", help="large enough to keep every activation (BERT-Large b32 "
                                                      "peaks near 26 GiB)")
@@ -87,18 +156,44 @@ def main() -> int:
     p.add_argument("--sync", action="store_true", help="read each step's loss (loss.item()), as train.py, Hugging "
                                                        "Face Trainer and progress bars do: the host waits for "
                                                        "every step and cannot run ahead")
+    p.add_argument("--host-lead", type=float, default=0.0, metavar="MS",
+                   help="also time each plan's phases with MS ms of GPU sleep before forward and before backward "
+                        "(the host ahead), and say how long the GPU waited for the host (default 0: not timed)")
+    p.add_argument("--decisions", default=",".join(FORCED),
+                   help=f"block decisions forced in turn, comma-separated (default {','.join(FORCED)})")
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.forced = [d.strip() for d in args.decisions.split(",") if d.strip()]
+    known = [d.value for d in Decision]
+    unknown = [d for d in args.forced if d not in known]
+    if unknown:
+        p.error(f"--decisions: {', '.join(unknown)} not among {', '.join(known)}")
+    if args.host_lead < 0:
+        p.error(f"--host-lead must be 0 or more milliseconds, got {args.host_lead}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     model, optimizer, planner, batch = build(args)
+    clock = None
 
     def step():
+        if clock:
+            clock.mark(0)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(**batch).loss
+        if clock:
+            clock.mark(1)
         loss.backward()
+        if clock:
+            clock.mark(2)
         optimizer.step()
+        if clock:
+            clock.mark(3)
         if args.sync:
             loss.item()
 
@@ -106,7 +201,8 @@ def main() -> int:
         step()
     own = planner.plan.decisions
     rows = {}
-    for name, decisions in [*((f"every block {d}", d) for d in FORCED), ("the planner's plan", list(own))]:
+    lead = round(args.host_lead * sleep_cycles_per_ms()) if args.host_lead else 0
+    for name, decisions in [*((f"every block {d}", d) for d in args.forced), ("the planner's plan", list(own))]:
         try:
             forced = planner.force(decisions)
         except ValueError as refused:  # over the budget: recorded, not run
@@ -114,17 +210,29 @@ def main() -> int:
             print(f"{name:<26} does not fit the budget", flush=True)
             continue
         step()  # settles: the first step of a plan allocates what the last one freed
+        clock = PhaseClock() if lead else None
         measured = timed_steps(step, args.steps)
         rows[name] = {"status": "ok", "decisions": forced.counts(), "predicted_step_s": forced.predicted_step_s,
                       "measured_step_s": measured, "predicted_peak_bytes": forced.predicted_peak_bytes,
                       "costs_s": list(forced.costs)}
         print(f"{name:<26} measured {1e3 * measured:7.1f} ms  predicted {1e3 * forced.predicted_step_s:7.1f} ms  "
               f"{forced.counts()}", flush=True)
+        if lead:
+            phases = clock.medians_ms()
+            clock = PhaseClock(lead)
+            for _ in range(args.steps):
+                step()
+            alone = clock.medians_ms()
+            clock = None
+            rows[name].update(phases=phases, host_ahead=alone, **waits_for_host(phases, alone))
+            print(f"{'':<26} forward {phases['forward_gpu_ms']:.1f} ms on the GPU, {phases['forward_host_ms']:.1f} on the "
+                  f"host, {alone['forward_gpu_ms']:.1f} with the host ahead; backward {phases['backward_gpu_ms']:.1f}, "
+                  f"{phases['backward_host_ms']:.1f}, {alone['backward_gpu_ms']:.1f}", flush=True)
     per_block = per_block_costs(rows, sum(u.kind == "block" for u in planner.calibration.units))
     run_id = new_run_id("decision_costs")
     record = {"run_id": run_id, "device": torch.cuda.get_device_name(), "workload": "bert-large-mlm",
               "batch": args.batch, "seq_len": args.seq_len, "budget": args.budget, "steps": args.steps,
-              "sync": args.sync,
+              "sync": args.sync, "host_lead_ms": args.host_lead,
               "forced": rows, "per_block": per_block, "planner": planner.to_dict()}
     path = write_result("decision_costs", record, args.out or RESULTS / run_id)
     print(f"wrote {path}")
