@@ -16,7 +16,8 @@ the host's, and again over as many steps with MS milliseconds of GPU sleep queue
 and before backward: the host has then issued the phase before the GPU starts it, so the GPU's
 time is its own work. The difference is the time the GPU waited for the host in that phase (where
 it is large, the host sets the step's pace, and what the host does there is what costs).
---decisions adds others to the forced plans (move, recompute_moved).
+--decisions chooses the decisions forced on every block in turn (default keep, rebuild, recompute;
+move and recompute_moved, say, too).
 
 One process, one JSON record (bench/results/RUN_ID/decision_costs.json unless --out): the
 forced plans' measured and predicted step times, the per-block costs both ways, and the
@@ -121,10 +122,10 @@ class PhaseClock:
         return {k: round(statistics.median(r[i] for r in rows), 3) for i, k in enumerate(keys)}
 
 
-def waits_for_host(phases: dict, alone: dict) -> dict:
+def waits_for_host(phases: dict, ahead: dict) -> dict:
     """Milliseconds the GPU waited for the host in forward and backward: each phase's time less
     its time with the host ahead."""
-    return {f"{p}_waits_ms": round(phases[f"{p}_gpu_ms"] - alone[f"{p}_gpu_ms"], 3) for p in PHASES[:2]}
+    return {f"{p}_waits_ms": round(phases[f"{p}_gpu_ms"] - ahead[f"{p}_gpu_ms"], 3) for p in PHASES[:2]}
 
 
 def per_block_costs(rows: dict, blocks: int) -> dict:
@@ -222,12 +223,12 @@ def main(argv=None) -> int:
             clock = PhaseClock(lead)
             for _ in range(args.steps):
                 step()
-            alone = clock.medians_ms()
+            ahead = clock.medians_ms()
             clock = None
-            rows[name].update(phases=phases, host_ahead=alone, **waits_for_host(phases, alone))
+            rows[name].update(phases=phases, host_ahead=ahead, **waits_for_host(phases, ahead))
             print(f"{'':<26} forward {phases['forward_gpu_ms']:.1f} ms on the GPU, {phases['forward_host_ms']:.1f} on the "
-                  f"host, {alone['forward_gpu_ms']:.1f} with the host ahead; backward {phases['backward_gpu_ms']:.1f}, "
-                  f"{phases['backward_host_ms']:.1f}, {alone['backward_gpu_ms']:.1f}", flush=True)
+                  f"host, {ahead['forward_gpu_ms']:.1f} with the host ahead; backward {phases['backward_gpu_ms']:.1f}, "
+                  f"{phases['backward_host_ms']:.1f}, {ahead['backward_gpu_ms']:.1f}", flush=True)
     per_block = per_block_costs(rows, sum(u.kind == "block" for u in planner.calibration.units))
     run_id = new_run_id("decision_costs")
     record = {"run_id": run_id, "device": torch.cuda.get_device_name(), "workload": "bert-large-mlm",
