@@ -1,4 +1,4 @@
-"""What recomputing every block costs the host: one training step of a small Hugging Face model
+"""What recomputing or rebuilding every block costs the host: one training step of a small Hugging Face model
 (kernels cost next to nothing, so the step's time is the host's), each method in this process,
 one after another, the same weights and batch.
 
@@ -12,6 +12,10 @@ Methods:
   planner_checkpoint      the planner told to recompute every block (strategy "checkpoint"), each
                           recomputation through torch.utils.checkpoint (one_node_recompute=False)
   planner_one_node        the same, each block recomputed as one node of the graph (the default)
+  planner_rebuild         every block rebuilt (forced once the planner has measured): the checks
+                          at each save in forward, the rebuilds in backward. The planner leaves
+                          tensors under 1 MiB alone; here every tensor counts, as a large
+                          model's would
 
 Per method: the median step on the host's clock over --steps steps after --warmup (the planner
 measures in its first steps), taken --repeats times with the methods in turn and the least kept
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import statistics
 import sys
@@ -32,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import new_run_id, write_result  # noqa: E402
 
-METHODS = ("plain", "checkpointing", "planner_checkpoint", "planner_one_node")
+METHODS = ("plain", "checkpointing", "planner_checkpoint", "planner_one_node", "planner_rebuild")
 MODELS = ("gpt2", "llama", "bert")
 
 
@@ -82,6 +85,10 @@ def prepare(method: str, base, device):
     planner = None
     if method == "checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif method == "planner_rebuild":
+        from um_alloc.planner import plan
+        planner = plan(model, 1 << 40, lean_loss=False)
+        planner._runtime.min_bytes = 1  # a small model's tensors all count, as a large one's do
     elif method.startswith("planner"):
         from um_alloc.planner import plan
         planner = plan(model, 1 << 40, strategy="checkpoint", lean_loss=False,
@@ -101,18 +108,23 @@ def step(model, ids, device) -> tuple:
 
 
 def measure(method: str, base, ids, args, device) -> tuple[dict, tuple]:
+    from um_alloc.planner.director import CALIBRATION_STEPS
+
     model, planner = prepare(method, base, device)
     seconds, result = [], None
     try:
         for k in range(args.warmup + args.steps):
+            if method == "planner_rebuild" and k == CALIBRATION_STEPS + 1:  # measured, and its plan made
+                planner.force("rebuild")
             begun = time.perf_counter()
             result = step(model, ids, device)
             if k >= args.warmup:
                 seconds.append(time.perf_counter() - begun)
+        decisions = planner.plan.counts() if planner is not None and planner.plan is not None else None
     finally:
         if planner is not None:
             planner.remove()
-    return {"method": method, "step_ms": 1e3 * statistics.median(seconds)}, result
+    return {"method": method, "step_ms": 1e3 * statistics.median(seconds), "decisions": decisions}, result
 
 
 def same(a, b) -> bool:
@@ -142,8 +154,8 @@ def run(args) -> int:
     vocab = base.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1)).to(device)
     run_id = new_run_id("host_overhead")
-    rows = {method: {"method": method, "step_ms": float("inf"), "rounds_ms": [], "equal_to_plain": True}
-            for method in METHODS}
+    rows = {method: {"method": method, "step_ms": float("inf"), "rounds_ms": [], "equal_to_plain": True,
+                     "decisions": None} for method in METHODS}
     reference = None
     for _ in range(args.repeats):
         for method in METHODS:
@@ -153,6 +165,7 @@ def run(args) -> int:
             row["rounds_ms"].append(timed["step_ms"])
             row["step_ms"] = min(row["step_ms"], timed["step_ms"])
             row["equal_to_plain"] = row["equal_to_plain"] and same(result, reference)
+            row["decisions"] = timed["decisions"]  # the planner's, as the last round ran them
     rows = list(rows.values())
     plain = rows[0]["step_ms"]
     for row in rows:

@@ -22,6 +22,8 @@ def test_every_method_trains_as_plain_and_the_record_names_what_each_added(tmp_p
     assert list(rows) == list(host_overhead.METHODS)
     assert all(row["equal_to_plain"] for row in rows.values())
     assert rows["plain"]["added_ms"] == 0
+    assert rows["planner_rebuild"]["decisions"]["rebuild"] == 2  # both layers rebuilt, not kept
+    assert rows["planner_one_node"]["decisions"]["recompute"] == 2
     assert all(row["added_ms"] == pytest.approx(row["step_ms"] - rows["plain"]["step_ms"]) for row in rows.values())
     assert record["layers"] == 2 and record["run_id"].startswith("host_overhead-")
     assert "planner_one_node" in capsys.readouterr().out
