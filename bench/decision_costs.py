@@ -226,9 +226,10 @@ def main(argv=None) -> int:
             ahead = clock.medians_ms()
             clock = None
             rows[name].update(phases=phases, host_ahead=ahead, **waits_for_host(phases, ahead))
-            print(f"{'':<26} forward {phases['forward_gpu_ms']:.1f} ms on the GPU, {phases['forward_host_ms']:.1f} on the "
-                  f"host, {ahead['forward_gpu_ms']:.1f} with the host ahead; backward {phases['backward_gpu_ms']:.1f}, "
-                  f"{phases['backward_host_ms']:.1f}, {ahead['backward_gpu_ms']:.1f}", flush=True)
+            print(f"{'':<26} forward {phases['forward_gpu_ms']:.1f} ms on the GPU, "
+                  f"{phases['forward_host_ms']:.1f} on the host, {ahead['forward_gpu_ms']:.1f} with the host ahead; "
+                  f"backward {phases['backward_gpu_ms']:.1f}, {phases['backward_host_ms']:.1f}, "
+                  f"{ahead['backward_gpu_ms']:.1f}", flush=True)
     per_block = per_block_costs(rows, sum(u.kind == "block" for u in planner.calibration.units))
     run_id = new_run_id("decision_costs")
     record = {"run_id": run_id, "device": torch.cuda.get_device_name(), "workload": "bert-large-mlm",

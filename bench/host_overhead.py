@@ -1,6 +1,6 @@
-"""What recomputing or rebuilding every block costs the host: one training step of a small Hugging Face model
-(kernels cost next to nothing, so the step's time is the host's), each method in this process,
-one after another, the same weights and batch.
+"""What recomputing or rebuilding every block costs the host: one training step of a small Hugging
+Face model (kernels cost next to nothing, so the step's time is the host's), each method in this
+process, one after another, the same weights and batch.
 
     python bench/host_overhead.py --model gpt2 --out bench/results/host_overhead
     python bench/host_overhead.py --model llama --device cuda --layers 24
