@@ -200,10 +200,25 @@ class UnitRecipes:
     they read (the only saves replay holds on to), and the autocast state the unit ran under."""
     places: dict = field(default_factory=dict)   # place -> PlaceRecipe
     autocast: tuple = ()
+    _read: tuple = field(default=(None, frozenset(), frozenset()), init=False, repr=False, compare=False)
 
     @property
     def sources(self) -> frozenset:
-        return frozenset(slot for recipe in self.places.values() for slot, *_ in recipe.reads)
+        """The Slots the recipes read."""
+        return self._reads()[1]
+
+    @property
+    def held_places(self) -> frozenset:
+        """The places among the sources: the saves replay holds."""
+        return self._reads()[2]
+
+    def _reads(self) -> tuple:
+        # Found once per set of places: replay asks at every call of the unit, and calibration
+        # replaces the dict (RebuildProbe._agree) rather than changing it.
+        if self._read[0] is not self.places:
+            sources = frozenset(slot for recipe in self.places.values() for slot, *_ in recipe.reads)
+            self._read = (self.places, sources, frozenset(slot.index for slot in sources if slot.kind == "save"))
+        return self._read
 
 
 def _bound(value, entries: dict, inputs: tuple, calls: dict):
@@ -347,7 +362,7 @@ class RebuiltSaves:
         self._device_type = device.type
         self._recipes = recipes or UnitRecipes()
         self._sources = self._recipes.sources
-        self._held_places = frozenset(slot.index for slot in self._sources if slot.kind == "save")
+        self._held_places = self._recipes.held_places
         self._unit = unit
         self._held: dict[Slot, _Kept] = {}
         self._bases: dict[tuple, Shared] = {}
