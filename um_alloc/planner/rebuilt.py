@@ -77,6 +77,10 @@ class PlaceCall:
     node: str                    # its node's type name
     edges: tuple                 # (Slot of a tensor it reads, index among its node's inputs)
     widened: tuple = ()          # (Slot of a widening it reads back, index of the widened tensor's edge)
+    binders: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "binders", _binders(self.args, self.kwargs))
 
 
 @dataclass(frozen=True)
@@ -119,34 +123,40 @@ class PlaceRecipe:
     node: str = ""               # the root node's type name ("call")
     edges: tuple = ()            # (Slot of a tensor it reads, index among the root node's inputs)
     widened: tuple = ()          # as PlaceCall's
+    # Replay's forms of reads, args and kwargs, made once: bind runs at every save of every step.
+    layouts: tuple = field(init=False, repr=False, compare=False)   # (Slot, (dtype, size, stride))
+    binders: tuple = field(init=False, repr=False, compare=False)   # see _binders
+
+    def __post_init__(self):
+        object.__setattr__(self, "layouts", tuple((slot, tuple(layout)) for slot, *layout in self.reads))
+        object.__setattr__(self, "binders", _binders(self.args, self.kwargs))
 
     def bind(self, tensor: torch.Tensor, held: dict, calls: dict) -> tuple[Recipe, tuple] | None:
         """The recipe for `tensor` saved at this place, and the key of the base it shares with
         other places (its root's autograd node, held by the key), or None where this call
-        differs from calibration's at this place. `calls` holds the unit call's calls bound so
-        far, by (node, output number): a tree reads the one Call of a node that places share."""
-        if (tensor.dtype != self.dtype or tensor.size() != self.size or tensor.stride() != self.stride
+        differs from calibration's at this place. `held` holds the unit call's held tensors by
+        Slot (_Kept), `calls` its calls bound so far, by (node, output number): a tree reads the
+        one Call of a node that places share."""
+        if (tensor.dtype is not self.dtype or tensor.stride() != self.stride or tensor.size() != self.size
                 or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != self.nbytes):
             return None
-        entries = {}
-        for slot, *layout in self.reads:
+        for slot, layout in self.layouts:
             entry = held.get(slot)
-            if entry is None or entry.layout() != layout:
+            if entry is None or entry.layout != layout:
                 return None
-            entries[slot] = entry
         node, nr = tensor.grad_fn, tensor.output_nr
         for name in self.path:
             if node is None or type(node).__name__ != name:
                 return None
             node, nr = node.next_functions[0]
-        root = self._root(node, nr, entries, calls)
+        root = self._root(node, nr, held, calls)
         if root is None:
             return None
         # The node itself, not its id: its Python object may be made afresh each time it is asked
         # for and dropped at once, leaving its id to another node, whose base this one would take.
         return Recipe(root, self.cast, self.size, self.stride), (node, nr, self.cast)
 
-    def _root(self, node, nr: int, entries: dict, calls: dict) -> Call | Held | None:
+    def _root(self, node, nr: int, held: dict, calls: dict) -> Call | Held | None:
         if node is None:
             return None
         if self.root == "param":
@@ -154,15 +164,34 @@ class PlaceRecipe:
             ok = type(node).__name__ == "AccumulateGrad" and node.variable is param
             return Held(Param(param, param._version), param.numel()) if ok else None
         if self.root == "held":
-            entry = entries[self.source]
+            entry = held[self.source]
             return Held(Source(entry), entry.tensor.numel()) if _reaches(node, nr, entry.tensor) else None
-        call = _bound_call(self, node, nr, entries, calls)
+        call = _bound_call(self, node, nr, held, calls)
         if call is not None and not call.numel:
             call.numel = math.prod(self.size)
         return call
 
 
-def _bound_call(described, node, nr: int, entries: dict, calls: dict) -> Call | None:
+# How _binders marks each argument of a described call, for _bound_values.
+_PLAIN, _SLOT, _PARAM, _NARROWED, _NESTED = range(5)
+
+
+def _binders(args: tuple, kwargs: tuple) -> tuple:
+    """A described call's arguments, each as (kind, value, keyword or None): sorted once, so that
+    binding them at every save is one loop with no isinstance chain."""
+    def kind(value) -> int:
+        if isinstance(value, Slot):
+            return _SLOT
+        if isinstance(value, ParamRef):
+            return _PARAM
+        if isinstance(value, Narrowed):
+            return _NARROWED
+        return _NESTED if isinstance(value, Nested) else _PLAIN
+
+    return (*((kind(a), a, None) for a in args), *((kind(v), v, k) for k, v in kwargs))
+
+
+def _bound_call(described, node, nr: int, held: dict, calls: dict) -> Call | None:
     """The Call `described` (a PlaceRecipe's root or a PlaceCall) makes at (node, nr), if the graph
     there is calibration's: the node's type, its edges to the held tensors it reads, and each
     nested call's the same way at its input index. A node already bound in this unit call gives
@@ -173,21 +202,22 @@ def _bound_call(described, node, nr: int, entries: dict, calls: dict) -> Call | 
     if known is not None:
         return known
     inputs = node.next_functions
+    count = len(inputs)
     for slot, index in described.edges:
-        if index >= len(inputs):
+        if index >= count:
             return None
         fn, fn_nr = inputs[index]
-        edge_node, edge_nr = entries[slot].edge()
+        edge_node, edge_nr = held[slot].edge()
         if fn is not edge_node or fn_nr != edge_nr:
             return None
     for slot, index in described.widened:
-        below = entries[slot].widened_from()
-        if index >= len(inputs) or below is None or inputs[index][0] is not below[0] or inputs[index][1] != below[1]:
+        below = held[slot].widened_from()
+        if index >= count or below is None or inputs[index][0] is not below[0] or inputs[index][1] != below[1]:
             return None
-    args = tuple(_bound(a, entries, inputs, calls) for a in described.args)
-    kwargs = {k: _bound(v, entries, inputs, calls) for k, v in described.kwargs}
-    if any(v is _DIFFERS for v in (*args, *kwargs.values())):
+    bound = _bound_values(described.binders, held, inputs, calls)
+    if bound is None:
         return None
+    args, kwargs = bound
     # The node is the key, held by the unit call's dict until its forward ends; never by the Call,
     # which autograd holds until backward (a cycle through its C++, see RebuiltSaves.around).
     call = calls[(node, nr)] = Call(described.func, args, kwargs, described.autocast, 0)
@@ -221,21 +251,31 @@ class UnitRecipes:
         return self._read
 
 
-def _bound(value, entries: dict, inputs: tuple, calls: dict):
-    """An argument of a call bound to this unit call: _DIFFERS where a nested call's graph differs."""
-    if isinstance(value, Slot):
-        return Source(entries[value])
-    if isinstance(value, ParamRef):
-        return Param(value.tensor, value.tensor._version)
-    if isinstance(value, Narrowed):
-        return Source(entries[value.slot], cast=value.dtype)
-    if isinstance(value, Nested):
-        if value.index >= len(inputs):
-            return _DIFFERS
-        fn, fn_nr = inputs[value.index]
-        call = _bound_call(value.call, fn, fn_nr, entries, calls)
-        return _DIFFERS if call is None else call
-    return value
+def _bound_values(binders: tuple, held: dict, inputs: tuple, calls: dict) -> tuple[tuple, dict] | None:
+    """A described call's arguments bound to this unit call, (args, kwargs), or None where a nested
+    call's graph differs."""
+    args, kwargs = [], {}
+    for kind, value, keyword in binders:
+        if kind == _PLAIN:
+            bound = value
+        elif kind == _SLOT:
+            bound = Source(held[value])
+        elif kind == _PARAM:
+            bound = Param(value.tensor, value.tensor._version)
+        elif kind == _NARROWED:
+            bound = Source(held[value.slot], cast=value.dtype)
+        else:
+            if value.index >= len(inputs):
+                return None
+            fn, fn_nr = inputs[value.index]
+            bound = _bound_call(value.call, fn, fn_nr, held, calls)
+            if bound is None:
+                return None
+        if keyword is None:
+            args.append(bound)
+        else:
+            kwargs[keyword] = bound
+    return tuple(args), kwargs
 
 
 _DIFFERS = object()
@@ -280,28 +320,23 @@ class _Rebuilt:
         return self.recipe.shape(self.base.take(lambda: self.recipe.build_base(_unchanged, self.device_type)))
 
 
-@dataclass
 class _Kept:
-    """A tensor a unit holds, as its recipes read it: with its version when held."""
-    tensor: torch.Tensor
-    version: int
-    unit: str
-    slot: Slot | None = None
-    _edge: tuple | None = None
-    _layout: list | None = None
+    """A tensor a unit holds, as its recipes read it: with its version when held, and its layout
+    (dtype, size, stride), which every place whose recipe reads it compares."""
+    __slots__ = ("tensor", "version", "unit", "slot", "layout", "_edge", "_widened_from")
 
-    def layout(self) -> list:
-        """[dtype, size, stride], read once: the places whose recipes read it compare it each."""
-        if self._layout is None:
-            self._layout = [self.tensor.dtype, self.tensor.size(), self.tensor.stride()]
-        return self._layout
+    def __init__(self, tensor: torch.Tensor, version: int, unit: str, slot: Slot | None = None):
+        self.tensor, self.version, self.unit, self.slot = tensor, version, unit, slot
+        self.layout = (tensor.dtype, tuple(tensor.size()), tensor.stride())
+        self._edge = self._widened_from = None
 
     def widened_from(self) -> tuple | None:
-        """The edge (node, output number) of the tensor it is a cast of, if it is one."""
-        node = self.tensor.grad_fn
-        if type(node).__name__ != CAST_NODE or len(node.next_functions) != 1:
-            return None
-        return node.next_functions[0]
+        """The edge (node, output number) of the tensor it is a cast of, if it is one: found once."""
+        if self._widened_from is None:
+            node = self.tensor.grad_fn
+            cast = type(node).__name__ == CAST_NODE and len(node.next_functions) == 1
+            self._widened_from = (node.next_functions[0],) if cast else ()
+        return self._widened_from[0] if self._widened_from else None
 
     def edge(self) -> tuple:
         """Its autograd edge (node, output number), found once: several places' roots read one held
@@ -414,7 +449,7 @@ class RebuiltSaves:
             if isinstance(rebuild.root, Call):
                 count_reads(rebuild.root)  # built once for this base
         base.uses += 1
-        self.rebuilt_bytes += tensor.numel() * tensor.element_size()
+        self.rebuilt_bytes += tensor.nbytes
         return _Rebuilt(rebuild, base, self._device_type)
 
 
