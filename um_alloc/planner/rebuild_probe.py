@@ -21,10 +21,13 @@ from torch.autograd.graph import get_gradient_edge
 from ..byte_views import storage_bytes
 from ..rebuild import CAST_NODE, Call, Held, Param, Recipe, RootRecorder, Shared, Source
 from ..tensor_trees import tensors as _tensors
-from .rebuilt import (_DIFFERS, Narrowed, Nested, ParamRef, PlaceCall, PlaceRecipe, Slot, UnitRecipes, _Eligible,
+from .rebuilt import (Narrowed, Nested, ParamRef, PlaceCall, PlaceRecipe, Slot, UnitRecipes, _Eligible,
                       _Kept, _unchanged)
 
 __all__ = ["RebuildProbe", "place_recipe"]
+
+_DIFFERS = object()  # what _place_call makes of an argument replay could not check
+
 
 @dataclass
 class _UnitCall:

@@ -278,8 +278,6 @@ def _bound_values(binders: tuple, held: dict, inputs: tuple, calls: dict) -> tup
     return tuple(args), kwargs
 
 
-_DIFFERS = object()
-
 
 def count_reads(call: Call) -> None:
     """One more read of `call`'s output in backward (a new base built from it, or a call that reads
