@@ -318,6 +318,9 @@ class _Rebuilt:
         return self.recipe.shape(self.base.take(lambda: self.recipe.build_base(_unchanged, self.device_type)))
 
 
+_NOT_LOOKED = object()  # a cached lookup not made yet (its answer may be None)
+
+
 class _Kept:
     """A tensor a unit holds, as its recipes read it: with its version when held, and its layout
     (dtype, size, stride), which every place whose recipe reads it compares."""
@@ -326,15 +329,16 @@ class _Kept:
     def __init__(self, tensor: torch.Tensor, version: int, unit: str, slot: Slot | None = None):
         self.tensor, self.version, self.unit, self.slot = tensor, version, unit, slot
         self.layout = (tensor.dtype, tuple(tensor.size()), tensor.stride())
-        self._edge = self._widened_from = None
+        self._edge = None
+        self._widened_from = _NOT_LOOKED
 
     def widened_from(self) -> tuple | None:
         """The edge (node, output number) of the tensor it is a cast of, if it is one: found once."""
-        if self._widened_from is None:
+        if self._widened_from is _NOT_LOOKED:
             node = self.tensor.grad_fn
             cast = type(node).__name__ == CAST_NODE and len(node.next_functions) == 1
-            self._widened_from = (node.next_functions[0],) if cast else ()
-        return self._widened_from[0] if self._widened_from else None
+            self._widened_from = node.next_functions[0] if cast else None
+        return self._widened_from
 
     def edge(self) -> tuple:
         """Its autograd edge (node, output number), found once: several places' roots read one held
