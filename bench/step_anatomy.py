@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "and tries plans in its first steps)")
     p.add_argument("--force", choices=FORCED, help="planner methods: every block this decision, from the "
                    "step after the planner's measuring steps")
+    p.add_argument("--eager-rebuilds", action="store_true", help="planner methods: rebuild trees of elementwise "
+                   "calls call by call, not as one kernel each (um_alloc.planner.fused_tree)")
     p.add_argument("--out", help="append the record to this JSON-lines file")
     p.add_argument("--trace", help="also keep the profiler's trace, in this folder")
     p.add_argument("--compare", nargs=4, metavar=("JSONL", "MODEL", "METHOD_A", "METHOD_B"),
@@ -72,8 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--model and --method are required (or --compare)")
     if args.method.startswith(("um_budget", "planner")) and args.budget is None:
         p.error(f"--method {args.method} needs --budget")
-    if args.force and not args.method.startswith("planner"):
-        p.error(f"--force applies to the planner methods, not --method {args.method}")
+    for flag, given in (("--force", args.force), ("--eager-rebuilds", args.eager_rebuilds)):
+        if given and not args.method.startswith("planner"):
+            p.error(f"{flag} applies to the planner methods, not --method {args.method}")
     if args.checkpoint_layers != "all" and not args.checkpoint_layers.isdigit():
         p.error(f"--checkpoint-layers must be a number of layers or 'all'; got {args.checkpoint_layers!r}")
     if not 0 <= args.warmup < args.steps:
@@ -169,6 +172,9 @@ def prepare(args):
         zoo_train.checkpointed_layers(model, args.checkpoint_layers)
     else:
         import um_alloc.planner as planning
+        if args.eager_rebuilds:
+            from um_alloc.planner import fused_tree
+            fused_tree.DEVICE_TYPES = ()  # no device gets one kernel per tree
         every = list(planning.Decision) if args.method == "planner_selective" else None
         planner = planning.plan(model, budget or 40 << 30,
                                 strategy="auto" if args.method in ("planner", "planner_selective") else "checkpoint",
@@ -219,6 +225,7 @@ def run(args) -> dict:
     record = {"model": args.model, "method": args.method, "budget": args.budget,
               "device": torch.cuda.get_device_name(),
               **({"forced": args.force} if args.force else {}),
+              **({"eager_rebuilds": True} if args.eager_rebuilds else {}),
               **({"checkpoint_layers": args.checkpoint_layers} if args.method.endswith("checkpointing") else {}),
               "step_ms": round(1e3 * statistics.median(host[timed]), 2),
               "gpu_step_ms": round(1e3 * statistics.median(gpu[timed]), 2),

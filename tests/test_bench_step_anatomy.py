@@ -49,6 +49,8 @@ def test_a_trace_without_gpu_activity_is_refused():
     (["--model", "gpt2", "--method", "um_budget_checkpointing", "--budget", "12GiB", "--force", "keep"],
      "--force applies to the planner methods"),
     (["--model", "gpt2", "--method", "planner", "--budget", "40GiB", "--force", "move"], "invalid choice"),
+    (["--model", "gpt2", "--method", "stock_checkpointing", "--eager-rebuilds"],
+     "--eager-rebuilds applies to the planner methods"),
 ])
 def test_bad_arguments_are_refused_before_any_gpu_work(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -45,6 +45,7 @@ def test_a_gelu_written_as_elementwise_calls_is_rebuilt_and_gives_plain_training
     # The GELU's tanh output, 1 + tanh, half its input and the product's bf16 cast, about half of
     # what a block saves; without them only the linears' casts (under a tenth).
     assert result["rebuilt_share"] > 0.4
+    assert result["fused_places"] == 3 * 6  # tanh, 1 + tanh and the product: each one kernel
 
 
 def test_blocks_recomputed_as_one_node_give_plain_trainings_losses(cuda_device):

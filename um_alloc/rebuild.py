@@ -112,6 +112,7 @@ class Call:
     numel: int             # of its output; 0 for a call inside a tree, which nothing views
     shared: Shared | None = None   # where several rebuilds read its output: made once for them
     made: tuple = ()       # (autograd node, output number) of its output, while the recorder holds it
+    fused: Any = None      # (call, fetch) -> its tree's output from one kernel, or None (the planner's)
 
     @property
     def inputs(self) -> list:
@@ -127,7 +128,26 @@ class Call:
             return self.shared.take(lambda: self._run(fetch, device_type))
         return self._run(fetch, device_type)
 
+    def skip(self) -> None:
+        """One read fewer of its output: its reader made its own from the tree's leaves (fused).
+        Where nothing made it yet, its own reads are skipped too, as making it would take them."""
+        shared = self.shared
+        if shared is None:
+            return
+        if shared.tensor is None:
+            for nested in self.nested():
+                nested.skip()
+        shared.uses -= 1
+        if shared.uses <= 0:
+            shared.tensor = None
+
     def _run(self, fetch, device_type: str) -> torch.Tensor:
+        if self.fused is not None:
+            out = self.fused(self, fetch)
+            if out is not None:
+                for nested in self.nested():
+                    nested.skip()
+                return out
         args = [_value(a, fetch, device_type) for a in self.args]
         kwargs = {k: _value(v, fetch, device_type) for k, v in self.kwargs.items()}
         enabled, dtype = self.autocast

@@ -578,13 +578,15 @@ def gpt2() -> dict:
 def rebuild_gpt2() -> dict:
     """A small GPT-2 (dropout 0.1, bf16 autocast), every block kept with its cheap saves rebuilt:
     its GELU is a chain of elementwise calls (transformers' NewGELUActivation), whose saves
-    backward makes again from the first linear's output. The same losses as plain training, and
-    the share of a block's saved bytes rebuilt."""
+    backward makes again from the first linear's output. The same losses as plain training, the
+    share of a block's saved bytes rebuilt, and the places whose tree ran as one kernel."""
     losses, planner = side_by_side(small_gpt2, lambda data: torch.randint(0, 4096, (16, 256), generator=data),
                                    decisions=["rebuild"])
     blocks = [u for u in planner.calibration.units if u.kind == "block"]
+    recipes = next(iter(planner._shapes.values())).recipes
     return {**losses, "plan": made_plan(planner).counts(),
-            "rebuilt_share": sum(u.rebuildable_bytes for u in blocks) / sum(u.saved_bytes for u in blocks)}
+            "rebuilt_share": sum(u.rebuildable_bytes for u in blocks) / sum(u.saved_bytes for u in blocks),
+            "fused_places": sum(len(unit.fused) for unit in recipes.values())}
 
 
 def large_batch() -> dict:

@@ -21,6 +21,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..byte_views import storage_bytes
 from ..rebuild import CAST_NODE, Call, Held, Param, Recipe, RootRecorder, Shared, Source
 from ..tensor_trees import tensors as _tensors
+from .fused_tree import fuse
 from .rebuilt import (Narrowed, Nested, ParamRef, PlaceCall, PlaceRecipe, Slot, UnitRecipes, _Eligible,
                       _Kept, _unchanged)
 
@@ -177,6 +178,7 @@ class _Tried:
     storage: int
     timing: tuple            # (start clock, end clock, host seconds) of building its base
     differs: object          # a bool, or a one-element tensor the GPU fills in
+    fused: object = None     # the FusedTree its root ran as, if one
 
 
 class RebuildProbe:
@@ -249,31 +251,37 @@ class RebuildProbe:
         # that could have read it are missed, which costs bytes, not correctness.
         rebuild, key = bound
         base_key = call.base_number(key)  # not the node: held by _Tried, it would wait for the cycle collector
+        fused = None
         if isinstance(rebuild.root, Call):
             _keep_results(rebuild.root)
+            # Compiled and compared outside the timing: replay runs what is timed here.
+            fused = rebuild.root.fused = fuse(rebuild.root, _unchanged, tensor.device.type)
         _keep_busy(tensor.device)
         start, host = self._timer(), time.perf_counter()
         with torch.no_grad():
             base = rebuild.build_base(_unchanged, tensor.device.type)
         timing = (start, self._timer(), time.perf_counter() - host)
         tried.append(_Tried(place, planned, base_key, tensor.numel() * tensor.element_size(),
-                            tensor.untyped_storage().data_ptr(), timing, _differs(rebuild.shape(base), tensor)))
+                            tensor.untyped_storage().data_ptr(), timing, _differs(rebuild.shape(base), tensor),
+                            fused))
 
     def _settle(self, tried: list, autocast: tuple, hold_s: dict) -> None:
         """The places whose rebuild came out equal; their bytes (a storage once) and the time of
         their bases (a base once: in backward a shared one is built once)."""
-        storages, bases, found = set(), set(), {}
+        storages, bases, found, fused = set(), set(), {}, {}
         for t in tried:
             if bool(t.differs):
                 continue
             found[t.place] = t.recipe
+            if t.fused is not None:
+                fused[t.place] = t.fused
             if t.storage not in storages:
                 storages.add(t.storage)
                 self.rebuilt_bytes += t.nbytes
             if t.base_key not in bases:
                 bases.add(t.base_key)
                 self.timings.append(t.timing)
-        self._agree(UnitRecipes(found, autocast))
+        self._agree(UnitRecipes(found, autocast, fused))
         sources = self.recipes.sources
         self.forward_cpu_s += sum(s for place, s in hold_s.items() if Slot("save", place) in sources)
 

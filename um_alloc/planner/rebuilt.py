@@ -230,6 +230,7 @@ class UnitRecipes:
     they read (the only saves replay holds on to), and the autocast state the unit ran under."""
     places: dict = field(default_factory=dict)   # place -> PlaceRecipe
     autocast: tuple = ()
+    fused: dict = field(default_factory=dict)    # place -> the FusedTree its root's tree runs as
     _read: tuple = field(default=(None, frozenset(), frozenset()), init=False, repr=False, compare=False)
 
     @property
@@ -444,6 +445,9 @@ class RebuiltSaves:
                 self._held[Slot("save", place)] = _Kept(tensor, tensor._version, self._unit)
             return as_saved(tensor)
         rebuild, key = bound
+        fused = self._recipes.fused.get(place)
+        if fused is not None:
+            rebuild.root.fused = fused
         base = self._bases.get(key)
         if base is None:
             base = self._bases[key] = Shared()

@@ -1,0 +1,205 @@
+"""Rebuild trees as one kernel (um_alloc.planner.fused_tree), on the CPU: the program a tree is
+written as, evaluated here with PyTorch's own CPU operations one rounding at a time, gives the
+eager tree's bits; a planned GPT-2 whose GELU trees run as programs trains as plain autograd, its
+trees' inner calls never run in backward; trees the table cannot write stay eager.
+
+The kernel itself needs CUDA's runtime compiler: tests/test_gpu_fused_tree.py runs it."""
+import copy
+import math
+
+import pytest
+import torch
+
+from um_alloc import rebuild as rebuild_module
+from um_alloc.planner import fused_tree
+from um_alloc.planner.fused_tree import tree_program
+from um_alloc.planner.rebuilt import count_reads
+from um_alloc.rebuild import Call, Shared, Source
+from test_planner_rebuild import recipes_of
+from test_planner_rebuild_chains import ids_of, loss_of, planned, pow_in_float32, tiny_gpt2  # noqa: F401
+
+T = torch.Tensor
+NO_AUTOCAST = (False, torch.bfloat16)
+
+_OPERATIONS = {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div, "neg": torch.neg,
+               "tanh": torch.tanh, "exp": torch.exp, "rsqrt": torch.rsqrt,
+               "bf16": lambda t: t.to(torch.bfloat16).float()}
+
+
+def evaluate(program: tuple, leaves: list) -> torch.Tensor:
+    """A tree's program run with PyTorch's float32 CPU operations, each rounded once."""
+    lines, result = program
+    values = []
+
+    def value(node):
+        kind = node[0]
+        if kind == "leaf":
+            return leaves[node[1]]
+        if kind == "const":
+            return torch.tensor(node[1], dtype=torch.float32)
+        if kind == "var":
+            return values[node[1]]
+        return _OPERATIONS[kind](*(value(n) for n in node[1:]))
+
+    for line in lines:
+        values.append(value(line))
+    return value(result)
+
+
+def call(func, *args, **kwargs) -> Call:
+    return Call(func, args, kwargs, NO_AUTOCAST, 0)
+
+
+def program_of(tree: Call):
+    dtypes = {}
+    with torch.no_grad():
+        fused_tree._eager(tree, lambda e: e, "cpu", dtypes)
+    return tree_program(tree, dtypes)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int32 if tensor.dtype == torch.float32 else torch.int16)
+
+
+@pytest.fixture
+def programs_run_on_the_cpu(monkeypatch):
+    """Trees fuse on the CPU too, their 'kernel' being their program evaluated by `evaluate`; the
+    comparison with the eager tree is the one the GPU makes. Yields the kernels made."""
+    made = []
+    monkeypatch.setattr(fused_tree, "DEVICE_TYPES", ("cpu", "cuda"))
+    monkeypatch.setattr(fused_tree, "_VERDICTS", {})
+    monkeypatch.setattr(fused_tree.FusedTree, "_launch", lambda self, leaves: made.append(self) or
+                        evaluate(self.program, leaves))
+    yield made
+
+
+def test_the_programs_of_arithmetic_trees():
+    x, y = Source(torch.randn(64)), Source(torch.randn(64))
+    one_minus_over_three = call(T.__truediv__, call(T.__rsub__, x, 1.0), 3.0)
+    lines, result, leaves = program_of(one_minus_over_three)
+    third = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(3.0, dtype=torch.float32)
+    assert lines == [("sub", ("const", 1.0), ("leaf", 0)), ("mul", ("var", 0), ("const", third.item()))]
+    assert result == ("var", 1) and leaves == 1
+    # x read twice is one leaf; the divisor a tensor: a division
+    lines, _, leaves = program_of(call(torch.div, call(torch.sub, x, y), call(T.__mul__, x, x)))
+    assert leaves == 2 and lines[-1] == ("div", ("var", 0), ("var", 1))
+    # Tensor.__rtruediv__ is reciprocal(self) * other
+    lines, _, _ = program_of(call(T.__rtruediv__, x, 2.0))
+    assert lines == [("mul", ("div", ("const", 1.0), ("leaf", 0)), ("const", 2.0))]
+    lines, _, _ = program_of(call(T.__mul__, x, call(torch.sigmoid, x)))
+    assert lines[0] == ("div", ("const", 1.0), ("add", ("const", 1.0), ("exp", ("neg", ("leaf", 0)))))
+
+
+def test_a_bfloat16_call_is_rounded_after_it_and_its_cube_after_each_product():
+    b = Source(torch.randn(64).to(torch.bfloat16))
+    lines, _, _ = program_of(call(T.__sub__, call(torch.pow, b, 3), b))
+    square = ("mul", ("leaf", 0), ("leaf", 0))
+    assert lines == [("bf16", ("mul", ("bf16", square), ("leaf", 0))), ("bf16", ("sub", ("var", 0), ("leaf", 0)))]
+
+
+@pytest.mark.parametrize("tree", [
+    lambda x: call(torch.add, x, call(T.__mul__, x, x), alpha=2),          # alpha other than 1
+    lambda x: call(T.__add__, x, call(torch.sin, x)),                      # a call the table lacks
+    lambda x: call(T.__add__, x, call(torch.pow, x, 4)),                   # an exponent ATen does not multiply
+    lambda x: call(torch.div, call(T.__mul__, x, x), 2.0, rounding_mode="floor"),
+    lambda x: call(T.__add__, call(T.__mul__, Source(x.entry.double()), x), 1.0),  # float64
+    lambda x: call(T.__mul__, x, call(T.__add__, x, 1e39)),               # past float32's range
+    lambda x: _sum_of_leaves(9),                                           # more leaves than a kernel takes
+], ids=["alpha", "sin", "pow 4", "floor division", "float64", "overflow", "nine leaves"])
+def test_trees_the_table_cannot_write_have_no_program(tree):
+    assert program_of(tree(Source(torch.randn(64)))) is None
+
+
+def _sum_of_leaves(count: int) -> Call:
+    tree = Source(torch.randn(8))
+    for _ in range(count - 1):
+        tree = call(T.__add__, tree, Source(torch.randn(8)))
+    return tree
+
+
+def test_a_single_call_or_a_cpu_tree_is_not_fused():
+    x = Source(torch.randn(64))
+    assert fused_tree.fuse(call(T.__mul__, x, 0.5), lambda e: e, "cpu") is None
+    assert fused_tree.fuse(call(T.__mul__, x, call(torch.tanh, x)), lambda e: e, "cpu") is None
+
+
+def test_arithmetic_and_gelu_programs_give_the_eager_bits(programs_run_on_the_cpu):
+    x, b = torch.randn(4096) * 3, (torch.randn(4096) * 3).to(torch.bfloat16)
+    trees = {
+        "gelu": _gelu(Source(x)),
+        "gelu_bf16": _gelu(Source(b)),
+        "rsub": call(T.__rsub__, call(T.__mul__, Source(x), Source(x)), 1.0),
+        "neg_exp": call(T.__sub__, call(torch.exp, call(T.__neg__, Source(x))), Source(x)),
+        "half_bf16": call(T.__add__, call(T.__rmul__, Source(b), 0.5), Source(b)),
+    }
+    for name, tree in trees.items():
+        kernel = fused_tree.fuse(tree, lambda e: e, "cpu")
+        assert kernel is not None, name
+        tree.fused = kernel
+        with torch.no_grad():
+            fused = tree.run(lambda e: e, "cpu")
+            tree.fused = None
+            eager = tree.run(lambda e: e, "cpu")
+        assert fused.dtype == eager.dtype and torch.equal(bits(fused), bits(eager)), name
+
+
+def _gelu(x: Source) -> Call:
+    cube = call(torch.pow, x, 3.0)
+    inner = call(T.__add__, x, call(T.__rmul__, cube, 0.044715))
+    one_plus = call(T.__radd__, call(torch.tanh, call(T.__rmul__, inner, math.sqrt(2.0 / math.pi))), 1.0)
+    return call(T.__mul__, call(T.__rmul__, x, 0.5), one_plus)
+
+
+def test_a_program_that_differs_from_the_eager_tree_is_not_used(monkeypatch, programs_run_on_the_cpu):
+    monkeypatch.setattr(fused_tree.FusedTree, "_launch", lambda self, leaves: evaluate(self.program, leaves) + 1e-3)
+    assert fused_tree.fuse(_gelu(Source(torch.randn(256))), lambda e: e, "cpu") is None
+
+
+def test_a_fused_root_releases_the_calls_it_did_not_run(programs_run_on_the_cpu):
+    """Replay counts each nested call's reads; a fused root reads none of their outputs, and must
+    not leave them held until the tree is dropped."""
+    x = Source(torch.randn(256))
+    tanh = call(torch.tanh, call(T.__rmul__, Source(x.entry), 2.0))
+    one_plus, product = call(T.__radd__, tanh, 1.0), call(T.__mul__, tanh, Source(x.entry))
+    for root in (one_plus, product):
+        root.fused = fused_tree.fuse(root, lambda e: e, "cpu")
+        assert root.fused is not None
+        count_reads(root)
+    assert tanh.shared.uses == 2
+    with torch.no_grad():
+        one_plus.run(lambda e: e, "cpu")
+        assert tanh.shared.uses == 1
+        product.run(lambda e: e, "cpu")
+    assert tanh.shared.uses == 0 and tanh.shared.tensor is None
+    skipped = Shared(uses=1, tensor=torch.ones(1))
+    made = call(torch.tanh, Source(torch.ones(1)))
+    made.shared = skipped
+    made.skip()
+    assert skipped.tensor is None
+
+
+def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_float32, programs_run_on_the_cpu,  # noqa: F811
+                                                                       monkeypatch):
+    """Under autocast with pow in float32 as CUDA runs it: each block's tanh, 1 + tanh and product
+    run as their programs, from autocast's float32 copy of x; no call inside them runs in backward."""
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    planner = planned(model, ids_of(), autocast=True)
+    for unit in recipes_of(planner).values():
+        assert sorted(unit.places[p].node for p in unit.fused) == ["AddBackward0", "MulBackward0", "TanhBackward0"]
+    runs, launched = [], len(programs_run_on_the_cpu)
+    run = rebuild_module.Call._run
+    monkeypatch.setattr(rebuild_module.Call, "_run", lambda c, fetch, device: runs.append(c.func.__name__)
+                        or run(c, fetch, device))
+    for seed in (3, 4):
+        loss = loss_of(model, ids_of(seed), autocast=True)
+        loss.backward()
+        expected = loss_of(plain, ids_of(seed), autocast=True)
+        expected.backward()
+        assert torch.equal(loss, expected)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    # Per block and step: the three roots (tanh's, 1 + t's, the product's) and 0.5 * x, a single
+    # call, with the LayerNorms: no call inside a tree (pow, the inner mul and add).
+    assert sorted(runs) == sorted(["tanh", "add", "mul", "mul", "layer_norm", "layer_norm"] * 3 * 2)
+    assert len(programs_run_on_the_cpu) - launched == 3 * 3 * 2
+    planner.remove()

@@ -1,0 +1,303 @@
+"""One kernel for a rebuild's tree of elementwise calls, where it gives the eager tree's bits.
+
+GPT-2's GELU under bf16 autocast, ``0.5 * x * (1 + tanh(c * (x + k * x**3)))``, runs as eight
+float32 kernels, each reading and writing a tensor four times the block's width. A block that
+rebuilds the GELU's saved tensors reruns them in backward: on an H100 that took 1.32 ms of a
+GPT-2-medium block at batch 8 x 1024, against 1.70 ms to recompute the whole block, so the planner
+recomputed instead. Made as one kernel, each rebuilt tensor reads `x` once and is written once.
+
+The kernel is written from the tree and compiled at run time by torch.cuda.jiterator (NVRTC). Each
+call becomes the float expression PyTorch's CUDA kernel computes, its basic operations rounded one
+at a time (``__fmul_rn`` and the like, which the compiler never contracts into one rounding), tanh,
+exp and rsqrt from CUDA's math library as ATen calls them, and its result rounded to the call's
+dtype (bfloat16 to nearest even, as c10 rounds). Whether that gives PyTorch's bits is not assumed:
+the first time a tree is fused, the kernel's result is compared with the eager tree's byte for
+byte, and the tree runs eagerly unless they are equal. A tree with a call the table below does not
+know, a dtype other than float32 and bfloat16, or a leaf off the GPU, runs eagerly.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from typing import Any, Callable
+
+import torch
+
+from ..byte_views import storage_bytes
+from ..rebuild import Call, Param, Source, _value
+
+__all__ = ["FusedTree", "fuse", "tree_program"]
+
+log = logging.getLogger(__name__)
+
+# The dtypes a call may compute in; a bfloat16 result is rounded to it.
+_DTYPES = (torch.float32, torch.bfloat16)
+# Leaves the kernel reads as float32: converting them loses nothing.
+_LEAF_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_LEAVES = 8  # the tensors one jiterator kernel takes
+DEVICE_TYPES = ("cuda",)  # where jiterator compiles kernels
+
+# A tree is written first as a program of float32 operations, then as CUDA C. Each node is a tuple:
+# ("leaf", k), the kernel's k-th tensor; ("const", x), a float32 value; ("var", i), the program's
+# i-th line; or (op, *operands), one of _C's operations, each rounded once.
+_C = {"mul": "__fmul_rn({}, {})", "add": "__fadd_rn({}, {})", "sub": "__fsub_rn({}, {})",
+      "div": "__fdiv_rn({}, {})", "neg": "(-{})", "tanh": "tanhf({})", "exp": "expf({})",
+      "rsqrt": "rsqrtf({})", "bf16": "to_bf16({})"}
+_ONE = ("const", 1.0)
+
+
+def _pow(a: tuple, exponent, reduced: bool) -> tuple | None:
+    # ATen's kernel multiplies for these exponents, in a reduced dtype rounding each product.
+    if exponent == 2:
+        return ("mul", a, a)
+    if exponent == 3:
+        square = ("mul", a, a)
+        return ("mul", ("bf16", square) if reduced else square, a)
+    return None
+
+
+# Each call as ATen's CUDA kernel computes it, by the name the torch function mode saw it under;
+# operands in the order of its arguments (self first), a scalar one as the float32 ATen makes of it.
+_FORMS = {
+    **dict.fromkeys(("mul", "__mul__", "__rmul__"), lambda a, b: ("mul", a, b)),
+    **dict.fromkeys(("add", "__add__", "__radd__"), lambda a, b: ("add", a, b)),
+    **dict.fromkeys(("sub", "__sub__"), lambda a, b: ("sub", a, b)),
+    "__rsub__": lambda a, b: ("sub", b, a),
+    # Tensor.__rtruediv__ is reciprocal(self) * other.
+    **dict.fromkeys(("__rtruediv__", "__rdiv__"), lambda a, b: ("mul", ("div", _ONE, a), b)),
+    **dict.fromkeys(("neg", "__neg__"), lambda a: ("neg", a)),
+    "tanh": lambda a: ("tanh", a),
+    "exp": lambda a: ("exp", a),
+    "rsqrt": lambda a: ("rsqrt", a),
+    "sigmoid": lambda a: ("div", _ONE, ("add", _ONE, ("exp", ("neg", a)))),
+}
+_DIVISIONS = ("div", "true_divide", "__truediv__", "__div__")
+_POWERS = ("pow", "__pow__")
+_WITH_ALPHA = ("add", "sub")
+
+_PREAMBLE = """    auto to_bf16 = [](float f) -> float {  // round to nearest even, as c10::BFloat16
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(0x7fc00000u);
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return __uint_as_float(u & 0xffff0000u);
+    };
+"""
+
+
+class FusedTree:
+    """A tree's kernel: its program (tree_program's lines and result), its jiterator code, how many
+    tensors it takes and the dtype of its output."""
+    __slots__ = ("program", "name", "code", "leaves", "dtype", "_kernel")
+
+    def __init__(self, program: tuple, name: str, code: str, leaves: int, dtype: torch.dtype):
+        self.program, self.name, self.code, self.leaves, self.dtype = program, name, code, leaves, dtype
+        self._kernel = None
+
+    def __call__(self, call: Call, fetch: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
+        """The tree's output from its leaves, or None where `call` reads other leaves than the tree
+        this kernel was written for (its caller then runs it eagerly)."""
+        leaves = _leaf_values(call, fetch)
+        if leaves is None or len(leaves) != self.leaves:
+            return None
+        out = self._launch(leaves)
+        return out if self.dtype is torch.float32 else out.to(self.dtype)
+
+    def _launch(self, leaves: list) -> torch.Tensor:
+        if self._kernel is None:
+            self._kernel = torch.cuda.jiterator._create_jit_fn(self.code)
+        return self._kernel(*leaves)
+
+
+_VERDICTS: dict[tuple, FusedTree | None] = {}  # (code, device type) -> the kernel, if it gave the eager bits
+
+
+def fuse(call: Call, fetch: Callable[[Any], torch.Tensor], device_type: str) -> FusedTree | None:
+    """The one kernel for `call`'s tree, if it gives what the eager tree gives, bit for bit; None
+    for a single call, a tree it cannot write, or one whose kernel differs. The first tree of each
+    kind is run both ways and compared (which waits for the GPU); the answer is kept."""
+    if device_type not in DEVICE_TYPES or not call.nested():
+        return None
+    dtypes: dict[int, torch.dtype] = {}
+    with torch.no_grad():
+        _eager(call, fetch, device_type, dtypes, first_elements=True)  # each call's dtype, at no cost
+        tree = _written(call, dtypes)
+        if tree is None:
+            return None
+        key = (tree.code, device_type)
+        if key not in _VERDICTS:
+            eager = _eager(call, fetch, device_type, {})
+            _VERDICTS[key] = tree if _same_bits(tree, call, fetch, eager) else None
+    return _VERDICTS[key]
+
+
+def _same_bits(tree: FusedTree, call: Call, fetch, eager: torch.Tensor) -> bool:
+    try:
+        made = tree(call, fetch)
+    except RuntimeError as error:  # no runtime compiler here: the eager tree stays
+        log.info("planner: a rebuild's tree of %d calls did not compile as one kernel (%s); it runs eagerly",
+                 _count(call), error)
+        return False
+    same = (made is not None and made.dtype == eager.dtype and made.shape == eager.shape
+            and made.stride() == eager.stride() and torch.equal(storage_bytes(made), storage_bytes(eager)))
+    log.info("planner: a rebuild's tree of %d calls (%s) %s", _count(call), tree.name,
+             "runs as one kernel" if same else "runs eagerly: one kernel did not give its bits")
+    return same
+
+
+def _eager(call: Call, fetch, device_type: str, dtypes: dict, first_elements: bool = False) -> torch.Tensor:
+    """The tree run call by call as Call.run runs it, noting each call's output dtype; with
+    first_elements, on each tensor's first element alone (the same dtypes, for next to nothing)."""
+    def value(v):
+        if isinstance(v, Call):
+            return _eager(v, fetch, device_type, dtypes, first_elements)
+        made = _value(v, fetch, device_type)
+        return made[(slice(0, 1),) * made.dim()] if first_elements and isinstance(made, torch.Tensor) else made
+
+    args = [value(v) for v in call.args]
+    kwargs = {k: value(v) for k, v in call.kwargs.items()}
+    enabled, dtype = call.autocast
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        out = call.func(*args, **kwargs)
+    dtypes[id(call)] = out.dtype
+    return out
+
+
+def _written(call: Call, dtypes: dict) -> FusedTree | None:
+    """The kernel for `call`'s tree, not compiled yet, or None where the tree has no program."""
+    program = tree_program(call, dtypes)
+    if program is None:
+        return None
+    lines, result, leaves = program
+    body = "".join(f"    float v{i} = {_c_of(line)};\n" for i, line in enumerate(lines))
+    digest = hashlib.sha1(f"{body}{result}".encode()).hexdigest()[:12]
+    name = f"um_alloc_rebuild_{digest}"
+    params = ", ".join(f"T in{k}" for k in range(leaves))
+    code = (f"template <typename T> T {name}({params}) {{\n{_PREAMBLE}"
+            + "".join(f"    float in{k}f = in{k};\n" for k in range(leaves))
+            + f"{body}    return {_c_of(result)};\n}}")
+    return FusedTree((lines, result), name, code, leaves, dtypes[id(call)])
+
+
+def tree_program(call: Call, dtypes: dict) -> tuple[list, tuple, int] | None:
+    """`call`'s tree as float32 operations: (lines, result, number of leaves), each line a call's
+    result rounded to its dtype (`dtypes`: id of a call -> its output dtype), leaves numbered in
+    the order the kernel takes them (_leaf_values); None where a call or an operand has no form."""
+    lines: list[tuple] = []
+    leaves: dict[int, int] = {}
+    result = _node(call, dtypes, leaves, lines, {})
+    if result is None or not 0 < len(leaves) <= MAX_LEAVES:
+        return None
+    return lines, result, len(leaves)
+
+
+def _node(call: Call, dtypes: dict, leaves: dict, lines: list, made: dict) -> tuple | None:
+    """("var", i): the line holding `call`'s result, appended after the lines it reads."""
+    if id(call) in made:
+        return made[id(call)]
+    dtype = dtypes.get(id(call))
+    if dtype not in _DTYPES:
+        return None
+    operands = []
+    for value in call.args:
+        operand = _operand(value, dtypes, leaves, lines, made)
+        if operand is None:
+            return None
+        operands.append(operand)
+    operation = _operation(call, operands, dtype)
+    if operation is None:
+        return None
+    lines.append(operation if dtype is torch.float32 else ("bf16", operation))
+    made[id(call)] = ("var", len(lines) - 1)
+    return made[id(call)]
+
+
+def _operation(call: Call, operands: list, dtype: torch.dtype) -> tuple | None:
+    name = call.func.__name__
+    kwargs = dict(call.kwargs)
+    if name in _WITH_ALPHA and kwargs.pop("alpha", 1) != 1:
+        return None
+    if kwargs or not operands or operands[0][0] == "const":
+        return None
+    if name in _POWERS:
+        exponent = operands[1][1] if len(operands) == 2 and operands[1][0] == "const" else None
+        return _pow(operands[0], exponent, dtype is not torch.float32)
+    if name in _DIVISIONS:
+        if len(operands) != 2:
+            return None
+        if operands[1][0] != "const":
+            return ("div", *operands)
+        # ATen divides by a scalar by multiplying by its float32 reciprocal, made on the host.
+        reciprocal = _float32(1.0 / operands[1][1]) if operands[1][1] != 0 else None
+        return ("mul", operands[0], ("const", reciprocal)) if reciprocal is not None else None
+    form = _FORMS.get(name)
+    if form is None or form.__code__.co_argcount != len(operands):
+        return None
+    return form(*operands)
+
+
+def _operand(value, dtypes: dict, leaves: dict, lines: list, made: dict) -> tuple | None:
+    if isinstance(value, Call):
+        return _node(value, dtypes, leaves, lines, made)
+    if isinstance(value, (Source, Param)):
+        return ("leaf", leaves.setdefault(_leaf_key(value), len(leaves)))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    constant = _float32(value)
+    return ("const", constant) if constant is not None else None
+
+
+def _float32(value) -> float | None:
+    """A Python number as the float32 ATen makes of it (None past float32's range). A quotient of
+    float32 values rounded from double is the float32 quotient: double holds twice its precision."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    except OverflowError:
+        return None
+
+
+def _c_of(node: tuple) -> str:
+    kind = node[0]
+    if kind == "leaf":
+        return f"in{node[1]}f"
+    if kind == "var":
+        return f"v{node[1]}"
+    if kind == "const":
+        return f"__uint_as_float(0x{struct.unpack('<I', struct.pack('<f', node[1]))[0]:08x}u)"
+    return _C[kind].format(*(_c_of(n) for n in node[1:]))
+
+
+def _leaf_key(value) -> int:
+    # A held tensor read as itself or cast back from its widening is one value: one leaf.
+    return id(value.entry) if isinstance(value, Source) else id(value.tensor)
+
+
+def _leaf_values(call: Call, fetch) -> list | None:
+    """The tensors the kernel takes, in the order tree_program numbered them, as float32."""
+    found: dict[int, torch.Tensor] = {}
+    if not _collect(call, fetch, found, set()):
+        return None
+    return list(found.values())
+
+
+def _collect(call: Call, fetch, found: dict, seen: set) -> bool:
+    if id(call) in seen:
+        return True
+    seen.add(id(call))
+    for value in call.args:
+        if isinstance(value, Call):
+            if not _collect(value, fetch, found, seen):
+                return False
+        elif isinstance(value, (Source, Param)):
+            key = _leaf_key(value)
+            if key in found:
+                continue
+            tensor = fetch(value.entry) if isinstance(value, Source) else value.get()
+            if tensor.dtype not in _LEAF_DTYPES:
+                return False
+            found[key] = tensor if tensor.dtype is torch.float32 else tensor.float()
+    return True
+
+
+def _count(call: Call) -> int:
+    return 1 + sum(_count(v) for v in call.nested())
