@@ -114,8 +114,9 @@ def main(argv=None) -> dict:
               "nvml_highwater_bytes": None if used_before is None or used_after is None else used_after - used_before}
     planner = callbacks[0].planner if callbacks else None
     if planner is not None and planner.plan is not None:
-        summary = planner.to_dict()  # the plan, and the calibration it was made from
-        result.update(plan=summary["plan"], calibration=summary.get("calibration"))
+        summary = planner.to_dict()  # the plan, the calibration it was made from, the plans tried
+        result.update({key: summary.get(key) for key in ("plan", "calibration", "trials", "measured_step_s",
+                                                          "margin_bytes", "overflowed_steps")})
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)
