@@ -71,16 +71,24 @@ def timed(roots: list, fetch, reps: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--width", type=int, default=4096, help="the GELU's width (GPT-2-medium: 4 x 1024)")
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--reps", type=int, default=30, help="timed repetitions of each way, after 5 to warm up")
     p.add_argument("--out", metavar="DIR")
     args = p.parse_args(argv)
+    for flag in ("batch", "seq_len", "width", "reps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
     if not torch.cuda.is_available():
-        raise SystemExit("fused_trees: needs a CUDA device")
+        p.error("needs a CUDA device")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     run_id = new_run_id("fused_trees")
     torch.manual_seed(0)
     x32 = torch.randn(args.batch, args.seq_len, args.width, device="cuda").to(torch.bfloat16).float()
