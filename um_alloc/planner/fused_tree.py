@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..byte_views import storage_bytes
-from ..rebuild import Call, Param, Source, _value
+from ..rebuild import Call, Param, Source, _leaves, _value
 
 __all__ = ["FusedTree", "fuse", "tree_program"]
 
@@ -273,30 +273,17 @@ def _leaf_key(value) -> int:
 
 
 def _leaf_values(call: Call, fetch) -> list | None:
-    """The tensors the kernel takes, in the order tree_program numbered them, as float32."""
+    """The tensors the kernel takes, in the order tree_program numbered them (the first reading of
+    each, depth first), as float32."""
     found: dict[int, torch.Tensor] = {}
-    if not _collect(call, fetch, found, set()):
-        return None
+    for value in _leaves(call):
+        if not isinstance(value, (Source, Param)) or _leaf_key(value) in found:
+            continue
+        tensor = fetch(value.entry) if isinstance(value, Source) else value.get()
+        if tensor.dtype not in _LEAF_DTYPES:
+            return None
+        found[_leaf_key(value)] = tensor if tensor.dtype is torch.float32 else tensor.float()
     return list(found.values())
-
-
-def _collect(call: Call, fetch, found: dict, seen: set) -> bool:
-    if id(call) in seen:
-        return True
-    seen.add(id(call))
-    for value in call.args:
-        if isinstance(value, Call):
-            if not _collect(value, fetch, found, seen):
-                return False
-        elif isinstance(value, (Source, Param)):
-            key = _leaf_key(value)
-            if key in found:
-                continue
-            tensor = fetch(value.entry) if isinstance(value, Source) else value.get()
-            if tensor.dtype not in _LEAF_DTYPES:
-                return False
-            found[key] = tensor if tensor.dtype is torch.float32 else tensor.float()
-    return True
 
 
 def _count(call: Call) -> int:
