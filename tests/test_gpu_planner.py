@@ -46,6 +46,7 @@ def test_a_gelu_written_as_elementwise_calls_is_rebuilt_and_gives_plain_training
     # what a block saves; without them only the linears' casts (under a tenth).
     assert result["rebuilt_share"] > 0.4
     assert result["fused_places"] == 3 * 6  # tanh, 1 + tanh and the product: each one kernel
+    assert result["product_places"] == 6    # pow's float32 copy of x, from the first linear's product
 
 
 def test_blocks_recomputed_as_one_node_give_plain_trainings_losses(cuda_device):

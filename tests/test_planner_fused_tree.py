@@ -1,7 +1,9 @@
 """Rebuild trees as one kernel (um_alloc.planner.fused_tree), on the CPU: the program a tree is
 written as, evaluated here with PyTorch's own CPU operations one rounding at a time, gives the
-eager tree's bits; a planned GPT-2 whose GELU trees run as programs trains as plain autograd, its
-trees' inner calls never run in backward; trees the table cannot write stay eager.
+eager tree's bits; a call the table lacks is made by itself and read as one of the program's
+tensors, its reads counted as eager calls count them; a planned GPT-2 whose GELU trees run as
+programs trains as plain autograd, its trees' inner calls never run in backward; trees the table
+cannot write stay eager.
 
 The kernel itself needs CUDA's runtime compiler: tests/test_gpu_fused_tree.py runs it."""
 import copy
@@ -99,15 +101,37 @@ def test_a_bfloat16_call_is_rounded_after_it_and_its_cube_after_each_product():
 
 @pytest.mark.parametrize("tree", [
     lambda x: call(torch.add, x, call(T.__mul__, x, x), alpha=2),          # alpha other than 1
-    lambda x: call(T.__add__, x, call(torch.sin, x)),                      # a call the table lacks
     lambda x: call(T.__add__, x, call(torch.pow, x, 4)),                   # an exponent ATen does not multiply
     lambda x: call(torch.div, call(T.__mul__, x, x), 2.0, rounding_mode="floor"),
     lambda x: call(T.__add__, call(T.__mul__, Source(x.entry.double()), x), 1.0),  # float64
     lambda x: call(T.__mul__, x, call(T.__add__, x, 1e39)),               # past float32's range
     lambda x: _sum_of_leaves(9),                                           # more leaves than a kernel takes
-], ids=["alpha", "sin", "pow 4", "floor division", "float64", "overflow", "nine leaves"])
+], ids=["alpha", "pow 4", "floor division", "float64", "overflow", "nine leaves"])
 def test_trees_the_table_cannot_write_have_no_program(tree):
     assert program_of(tree(Source(torch.randn(64)))) is None
+
+
+def test_a_call_the_table_lacks_is_one_of_the_programs_tensors(programs_run_on_the_cpu):
+    """sin (as a linear would) is made by itself, once, and read by the program as a leaf: the
+    eager tree's bits, and its reads counted down as the calls that read it give theirs up."""
+    x = Source(torch.randn(256) * 3)
+    sine = call(torch.sin, x)
+    tree = call(T.__mul__, call(T.__add__, x, sine), call(T.__rmul__, sine, 0.5))
+    lines, result, leaves = program_of(tree)
+    assert leaves == 2 and lines[0] == ("add", ("leaf", 0), ("leaf", 1))
+    with torch.no_grad():
+        eager = tree.run(lambda e: e, "cpu")
+    tree.fused = fused_tree.fuse(tree, lambda e: e, "cpu")
+    assert tree.fused is not None
+    count_reads(tree)
+    assert sine.shared.uses == 2  # read by the sum and by the half
+    made = []
+    run = sine._run
+    sine._run = lambda fetch, device: made.append(1) or run(fetch, device)
+    with torch.no_grad():
+        fused = tree.run(lambda e: e, "cpu")
+    assert torch.equal(bits(fused), bits(eager)) and made == [1]
+    assert sine.shared.uses == 0 and sine.shared.tensor is None
 
 
 def _sum_of_leaves(count: int) -> Call:
@@ -181,7 +205,8 @@ def test_a_fused_root_releases_the_calls_it_did_not_run(programs_run_on_the_cpu)
 def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_float32, programs_run_on_the_cpu,  # noqa: F811
                                                                        monkeypatch):
     """Under autocast with pow in float32 as CUDA runs it: each block's tanh, 1 + tanh and product
-    run as their programs, from autocast's float32 copy of x; no call inside them runs in backward."""
+    run as their programs, from autocast's float32 copy of x, which the first linear's product
+    makes again once; no call inside them runs in backward."""
     model = tiny_gpt2()
     plain = copy.deepcopy(model)
     planner = planned(model, ids_of(), autocast=True)
@@ -199,7 +224,8 @@ def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_fl
         assert torch.equal(loss, expected)
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
     # Per block and step: the three roots (tanh's, 1 + t's, the product's) and 0.5 * x, a single
-    # call, with the LayerNorms: no call inside a tree (pow, the inner mul and add).
-    assert sorted(runs) == sorted(["tanh", "add", "mul", "mul", "layer_norm", "layer_norm"] * 3 * 2)
+    # call, with the LayerNorms, and x made again (the linear's product of the second LayerNorm's
+    # output, viewed as a matrix): no call inside a tree (pow, the inner mul and add).
+    assert sorted(runs) == sorted(["tanh", "add", "mul", "mul", "layer_norm", "layer_norm", "addmm", "view"] * 3 * 2)
     assert len(programs_run_on_the_cpu) - launched == 3 * 3 * 2
     planner.remove()

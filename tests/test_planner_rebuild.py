@@ -9,7 +9,8 @@ import torch
 from um_alloc.planner import BlockPlanner, Decision, UnitCost, evaluate
 from um_alloc.planner import rebuild_probe as probe_module
 from um_alloc.planner import rebuilt as rebuilt_module
-from um_alloc.planner.rebuilt import Slot
+from um_alloc.planner.rebuild_probe import route_to
+from um_alloc.planner.rebuilt import MAX_ROUTE, Slot, reached
 from um_alloc.planner.planning import Calibration, Segment
 from um_alloc.rebuild import Recipe
 from planner_helpers import ScaledAfter
@@ -346,3 +347,24 @@ def test_a_large_saves_rebuild_is_compared_a_slice_at_a_time(monkeypatch):
     small = torch.arange(3, dtype=torch.float32)          # 12 bytes: one comparison
     assert not bool(probe_module._differs(small.clone(), small))
     assert probe_module._differs(saved.view(4, 10), saved.view(10, 4)) is True
+
+
+def test_a_route_steps_through_the_nodes_a_call_makes_itself():
+    """A linear under autocast reads its input through its own cast, view and product: replay
+    follows the route calibration found, node type by node type, to the input's edge."""
+    weight, bias = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8))
+    x = torch.randn(2, 3, 4, requires_grad=True) * 1.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, weight, bias)
+    inputs = y.grad_fn.next_functions
+    route = route_to(inputs, x.grad_fn, x.output_nr)
+    assert route == (0, "AddmmBackward0", 1, "ViewBackward0", 0, "ToCopyBackward0", 0)
+    assert reached(inputs, route) == (x.grad_fn, 0)
+    assert reached(inputs, (0, "MmBackward0", *route[2:])) is None      # another node on the way
+    assert reached(inputs, (*route[:-1], 5)) is None                      # past the node's inputs
+    deep = x
+    for _ in range(MAX_ROUTE + 1):
+        deep = deep.view(-1).view(2, 3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        far = torch.nn.functional.linear(deep, weight, bias)
+    assert route_to(far.grad_fn.next_functions, x.grad_fn, x.output_nr) is None  # too far below

@@ -106,6 +106,46 @@ def test_a_gelu_whose_pow_saves_a_float32_copy_rebuilds_from_it(monkeypatch, pow
     planner.remove()
 
 
+def test_pows_float32_copy_is_made_again_from_the_linears_product(monkeypatch, pow_in_float32):
+    """That copy, twice the first linear's output in bytes, is held by nothing: backward makes it
+    again from the linear's product of the second LayerNorm's output (itself made again from what
+    that LayerNorm saves), once for pow and for the trees that read x back from it."""
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    planner = planned(model, ids_of(), autocast=True)
+    for unit in recipes_of(planner).values():
+        (copy_place,) = [p for p, r in unit.places.items() if r.root == "call" and r.func is torch.addmm]
+        assert unit.places[copy_place].cast is torch.float32 and copy_place in unit.held_places
+    made = []
+    pack = rebuilt_module.RebuiltSaves._pack
+    monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", lambda saves, t: _noted(pack(saves, t), made))
+    loss = loss_of(model, ids_of(3), autocast=True)
+    assert len(made) == 3 and all(entry.tensor is None for entry in made)  # one a block, nothing held
+    loss.backward()
+    expected = loss_of(plain, ids_of(3), autocast=True)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    planner.remove()
+
+
+def _noted(packed, made: list):
+    if type(packed) is rebuilt_module._MadeAgain:
+        made.append(packed)
+    return packed
+
+
+def test_no_recipe_reruns_a_product_where_it_makes_no_float32_copy():
+    """Under CPU autocast pow saves x itself, the linear's bf16 output: rerunning the product would
+    save its own bytes only, at nearly a recomputation's cost. x stays held."""
+    model = tiny_gpt2()
+    planner = planned(model, ids_of(), autocast=True)
+    for unit in recipes_of(planner).values():
+        assert not [r for r in unit.places.values() if r.root == "call" and r.func is torch.addmm]
+        assert len(gelu_places(unit)) == 4
+    planner.remove()
+
+
 @pytest.fixture
 def call_runs(monkeypatch) -> list:
     """The names of the functions recipes' calls run, in order, from when it is asked for."""
@@ -197,7 +237,7 @@ def _renamed_nested(recipe):
     args = list(recipe.args)
     for k, a in enumerate(args):
         if isinstance(a, Nested):
-            args[k] = Nested(a.index, dataclasses.replace(a.call, node="SigmoidBackward0"))
+            args[k] = Nested(a.route, dataclasses.replace(a.call, node="SigmoidBackward0"))
             return dataclasses.replace(recipe, args=tuple(args))
     return None
 
@@ -207,7 +247,7 @@ def _moved_nested(recipe):
     args = list(recipe.args)
     for k, a in enumerate(args):
         if isinstance(a, Nested):
-            args[k] = Nested(1 - a.index, a.call)
+            args[k] = Nested((1 - a.route[0], *a.route[1:]), a.call)
             return dataclasses.replace(recipe, args=tuple(args))
     return None
 

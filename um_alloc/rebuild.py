@@ -21,6 +21,9 @@ parameters or plain values, for callers that ask for it (``RootRecorder(trees=Tr
 planner's rebuild decision): GPT-2's GELU, ``0.5 * x * (1 + tanh(c * (x + k * x**3)))``, saves
 its tanh output, ``1 + t``, ``0.5 * x`` and the product, each such a tree over ``x``, which pow
 saves. A call several trees read is one ``Call`` object, whose output ``Shared`` makes once.
+Such a tree may also rerun matrix products (``MATMUL_FUNCTIONS``) and read inputs through views
+(``VIEW_FUNCTIONS``): the float32 copy of ``x`` that pow saves under CUDA autocast is a cast of
+the first linear's product of a LayerNorm's output.
 
 Rebuilding reruns the same kernel on the same input under the same autocast state, so it gives
 the same bits. ActivationOffload still checks before trusting a recipe: during its calibration
@@ -48,7 +51,18 @@ _OPERATORS = ("__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__
               "__rtruediv__", "__div__", "__rdiv__", "__pow__", "__rpow__", "__neg__")
 ELEMENTWISE_FUNCTIONS = frozenset([getattr(torch, n) for n in _ELEMENTWISE]
                                   + [getattr(torch.Tensor, n) for n in (*_ELEMENTWISE, *_OPERATORS)])
-MAX_CALLS = 12  # calls in one recipe's tree: GPT-2's GELU product needs 8
+# Matrix products a tree may rerun (RootRecorder(trees=True)). GPT-2's GELU under autocast saves
+# autocast's float32 copy of the first linear's bf16 output, twice that output's bytes: rerunning
+# the product in backward costs a fraction of recomputing the block, and the block holds neither.
+# Which recipes may rerun one is the caller's choice (the planner's: only those that end in such a
+# copy). Deterministic for one shape on one device; calibration compares every rebuild with the
+# tensor, byte for byte, all the same.
+MATMUL_FUNCTIONS = frozenset({torch.addmm, torch.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                              F.linear})
+# Views a tree's calls may read their inputs through (a linear reading x.view(-1, n)): recorded
+# as calls that only reshape, found when a recipe asks for an input, never roots of their own.
+VIEW_FUNCTIONS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape})
+MAX_CALLS = 12  # calls in one recipe's tree, each counted once: GPT-2's GELU product needs 8
 
 # Autograd nodes of views: the saved tensor shares its root's storage.
 VIEW_NODES = frozenset({
@@ -127,6 +141,16 @@ class Call:
         if self.shared is not None:
             return self.shared.take(lambda: self._run(fetch, device_type))
         return self._run(fetch, device_type)
+
+    def made_once(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
+        """Its output, made if nothing made it yet, without counting a read: a kernel that reads it
+        as one of its tree's leaves, whose calls then each give up their own read (skip)."""
+        shared = self.shared
+        if shared is None:
+            return self._run(fetch, device_type)
+        if shared.tensor is None:
+            shared.tensor = self._run(fetch, device_type)
+        return shared.tensor
 
     def skip(self) -> None:
         """One read fewer of its output: its reader made its own from the tree's leaves (fused).
@@ -222,8 +246,10 @@ class RootRecorder:
         # found when a recipe asks for them, not when it runs, since the tensors a chain starts from
         # are often saved only by a later op of the chain (x by the pow after 0.5 * x).
         self._trees = trees
-        self.functions = CHEAP_FUNCTIONS | ELEMENTWISE_FUNCTIONS if trees else CHEAP_FUNCTIONS
+        self.functions = (CHEAP_FUNCTIONS | ELEMENTWISE_FUNCTIONS | MATMUL_FUNCTIONS | VIEW_FUNCTIONS if trees
+                          else CHEAP_FUNCTIONS)
         self._roots: dict[tuple, tuple[Any, Call | Held]] = {}  # (id(node), nr) -> (node, root)
+        self._views: dict[tuple, tuple[Any, Call]] = {}  # the same for VIEW_FUNCTIONS' calls: inputs, not roots
         self._held_edges: dict[tuple, tuple] = {}  # (id(grad_fn), nr) -> (grad_fn, entry, version when held)
         # (id(node), nr) of a tensor a held tensor is an exact widening of -> (node, entry, its version, dtype)
         self._widened: dict[tuple, tuple] = {}
@@ -236,6 +262,7 @@ class RootRecorder:
 
     def clear(self) -> None:
         self._roots.clear()
+        self._views.clear()
         self._held_edges.clear()
         self._widened.clear()
 
@@ -278,7 +305,8 @@ class RootRecorder:
         # The key holds on to the node's Python object: one made afresh each time it is asked for,
         # dropped at once, would leave its id free for another node.
         key = (id(node), out.output_nr)
-        if key in self._roots:
+        calls = self._views if func in VIEW_FUNCTIONS else self._roots
+        if key in calls:
             return
         args = tuple(self._input(a) for a in args)
         kwargs = {k: self._input(v) for k, v in kwargs.items()}
@@ -286,7 +314,7 @@ class RootRecorder:
             return  # an input backward will not have: recomputing would mean keeping it
         autocast = (torch.is_autocast_enabled(self._device_type), torch.get_autocast_dtype(self._device_type))
         made = (node, out.output_nr) if self._trees else ()
-        self._roots[key] = (node, Call(func, args, kwargs, autocast, out.numel(), made=made))
+        calls[key] = (node, Call(func, args, kwargs, autocast, out.numel(), made=made))
 
     def recipe_for(self, tensor: torch.Tensor) -> Recipe | None:
         """How to rebuild `tensor` (views of at most one cast of a root), or None."""
@@ -296,7 +324,7 @@ class RootRecorder:
         for _ in range(MAX_CHAIN):
             found = self._roots.get((id(node), nr))
             if found is not None and found[0] is node:
-                root = self._tree(found[1], [MAX_CALLS]) if self._trees and isinstance(found[1], Call) else found[1]
+                root = self._tree(found[1], [MAX_CALLS], {}) if self._trees and isinstance(found[1], Call) else found[1]
                 return _recipe(tensor, root, cast, path) if root is not None else None
             name = type(node).__name__
             if name == "AccumulateGrad":
@@ -315,23 +343,25 @@ class RootRecorder:
                 return None
         return None
 
-    def _tree(self, call: Call, budget: list) -> Call | None:
+    def _tree(self, call: Call, budget: list, found: dict) -> Call | None:
         """`call` with the tensors it read found: held ones as Sources, outputs of recorded calls as
-        nested Calls (at most budget[0] calls in all), or None where one is neither."""
+        nested Calls (at most budget[0] calls in all, each counted once: `found` holds the tree's
+        calls by the recorded call, which several of its calls may read), or None where one is
+        neither."""
         budget[0] -= 1
         if budget[0] < 0:
             return None
         resolved = []
         for value in call.inputs:
             if isinstance(value, _Ref):
-                value = self._found(value, budget)
+                value = self._found(value, budget, found)
                 if value is None:
                     return None
             resolved.append(value)
         args, kwargs = resolved[:len(call.args)], resolved[len(call.args):]
         return Call(call.func, tuple(args), dict(zip(call.kwargs, kwargs)), call.autocast, call.numel, made=call.made)
 
-    def _found(self, ref: _Ref, budget: list):
+    def _found(self, ref: _Ref, budget: list, found: dict):
         held = self._held_edges.get((id(ref.node), ref.nr))
         if held is not None and held[0] is ref.node:
             _, entry, version = held
@@ -341,13 +371,14 @@ class RootRecorder:
         if widened is not None and widened[0] is ref.node:
             _, entry, version, dtype = widened
             return Source(entry, cast=dtype) if (version, dtype) == (ref.version, ref.dtype) else None
-        found = self._roots.get((id(ref.node), ref.nr))
-        if found is None or found[0] is not ref.node or not isinstance(found[1], Call):
+        recorded = self._roots.get((id(ref.node), ref.nr)) or self._views.get((id(ref.node), ref.nr))
+        if recorded is None or recorded[0] is not ref.node or not isinstance(recorded[1], Call):
             return None
-        nested = self._tree(found[1], budget)
-        if nested is not None:
-            nested.numel = 0
-        return nested
+        if id(recorded[1]) not in found:
+            nested = found[id(recorded[1])] = self._tree(recorded[1], budget, found)
+            if nested is not None:
+                nested.numel = 0
+        return found[id(recorded[1])]
 
     def _leaf(self, leaf: torch.Tensor) -> Held:
         """A leaf: one held this step (a recomputed block's input), or a parameter."""

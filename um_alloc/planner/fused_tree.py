@@ -12,20 +12,21 @@ at a time (``__fmul_rn`` and the like, which the compiler never contracts into o
 exp and rsqrt from CUDA's math library as ATen calls them, and its result rounded to the call's
 dtype (bfloat16 to nearest even, as c10 rounds). Whether that gives PyTorch's bits is not assumed:
 the first time a tree is fused, the kernel's result is compared with the eager tree's byte for
-byte, and the tree runs eagerly unless they are equal. A tree with a call the table below does not
-know, a dtype other than float32 and bfloat16, or a leaf off the GPU, runs eagerly.
+byte, and the tree runs eagerly unless they are equal. A call the table below does not know (the
+linear whose output the GELU reads) is made by itself and read as one of the kernel's tensors. A
+tree with a dtype other than float32 and bfloat16, or a leaf off the GPU, runs eagerly.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..byte_views import storage_bytes
-from ..rebuild import Call, Param, Source, _leaves, _value
+from ..rebuild import Call, Param, Source, _value
 
 __all__ = ["FusedTree", "fuse", "tree_program"]
 
@@ -88,16 +89,17 @@ _PREAMBLE = """    auto to_bf16 = [](float f) -> float {  // round to nearest ev
 class FusedTree:
     """A tree's kernel: its program (tree_program's lines and result), its jiterator code, how many
     tensors it takes and the dtype of its output."""
-    __slots__ = ("program", "name", "code", "leaves", "dtype", "_kernel")
+    __slots__ = ("program", "name", "code", "leaves", "dtype", "device_type", "_kernel")
 
-    def __init__(self, program: tuple, name: str, code: str, leaves: int, dtype: torch.dtype):
+    def __init__(self, program: tuple, name: str, code: str, leaves: int, dtype: torch.dtype, device_type: str):
         self.program, self.name, self.code, self.leaves, self.dtype = program, name, code, leaves, dtype
+        self.device_type = device_type
         self._kernel = None
 
     def __call__(self, call: Call, fetch: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
         """The tree's output from its leaves, or None where `call` reads other leaves than the tree
         this kernel was written for (its caller then runs it eagerly)."""
-        leaves = _leaf_values(call, fetch)
+        leaves = _leaf_values(call, fetch, self.device_type)
         if leaves is None or len(leaves) != self.leaves:
             return None
         out = self._launch(leaves)
@@ -116,12 +118,12 @@ def fuse(call: Call, fetch: Callable[[Any], torch.Tensor], device_type: str) -> 
     """The one kernel for `call`'s tree, if it gives what the eager tree gives, bit for bit; None
     for a single call, a tree it cannot write, or one whose kernel differs. The first tree of each
     kind is run both ways and compared (which waits for the GPU); the answer is kept."""
-    if device_type not in DEVICE_TYPES or not call.nested():
+    if device_type not in DEVICE_TYPES or not _writable(call) or not call.nested():
         return None
     dtypes: dict[int, torch.dtype] = {}
     with torch.no_grad():
         _eager(call, fetch, device_type, dtypes, first_elements=True)  # each call's dtype, at no cost
-        tree = _written(call, dtypes)
+        tree = _written(call, dtypes, device_type)
         if tree is None:
             return None
         key = (tree.code, device_type)
@@ -149,9 +151,10 @@ def _eager(call: Call, fetch, device_type: str, dtypes: dict, first_elements: bo
     """The tree run call by call as Call.run runs it, noting each call's output dtype; with
     first_elements, on each tensor's first element alone (the same dtypes, for next to nothing)."""
     def value(v):
-        if isinstance(v, Call):
+        if isinstance(v, Call) and _writable(v):
             return _eager(v, fetch, device_type, dtypes, first_elements)
-        made = _value(v, fetch, device_type)
+        # A leaf, or a call the kernel reads as one (made whole: a linear is not elementwise).
+        made = v.made_once(fetch, device_type) if isinstance(v, Call) else _value(v, fetch, device_type)
         return made[(slice(0, 1),) * made.dim()] if first_elements and isinstance(made, torch.Tensor) else made
 
     args = [value(v) for v in call.args]
@@ -163,7 +166,7 @@ def _eager(call: Call, fetch, device_type: str, dtypes: dict, first_elements: bo
     return out
 
 
-def _written(call: Call, dtypes: dict) -> FusedTree | None:
+def _written(call: Call, dtypes: dict, device_type: str) -> FusedTree | None:
     """The kernel for `call`'s tree, not compiled yet, or None where the tree has no program."""
     program = tree_program(call, dtypes)
     if program is None:
@@ -176,7 +179,7 @@ def _written(call: Call, dtypes: dict) -> FusedTree | None:
     code = (f"template <typename T> T {name}({params}) {{\n{_PREAMBLE}"
             + "".join(f"    float in{k}f = in{k};\n" for k in range(leaves))
             + f"{body}    return {_c_of(result)};\n}}")
-    return FusedTree((lines, result), name, code, leaves, dtypes[id(call)])
+    return FusedTree((lines, result), name, code, leaves, dtypes[id(call)], device_type)
 
 
 def tree_program(call: Call, dtypes: dict) -> tuple[list, tuple, int] | None:
@@ -237,9 +240,9 @@ def _operation(call: Call, operands: list, dtype: torch.dtype) -> tuple | None:
 
 
 def _operand(value, dtypes: dict, leaves: dict, lines: list, made: dict) -> tuple | None:
-    if isinstance(value, Call):
+    if isinstance(value, Call) and _writable(value):
         return _node(value, dtypes, leaves, lines, made)
-    if isinstance(value, (Source, Param)):
+    if isinstance(value, (Source, Param, Call)):
         return ("leaf", leaves.setdefault(_leaf_key(value), len(leaves)))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -267,19 +270,41 @@ def _c_of(node: tuple) -> str:
     return _C[kind].format(*(_c_of(n) for n in node[1:]))
 
 
+def _writable(call: Call) -> bool:
+    """Whether the kernel computes `call` itself; any other call is made by itself, a leaf."""
+    name = call.func.__name__
+    return name in _FORMS or name in _DIVISIONS or name in _POWERS
+
+
+def _tree_leaves(call: Call) -> Iterator:
+    """What the kernel's calls read, depth first: plain values, held tensors, parameters, and the
+    calls it does not compute."""
+    for value in call.inputs:
+        if isinstance(value, Call) and _writable(value):
+            yield from _tree_leaves(value)
+        else:
+            yield value
+
+
 def _leaf_key(value) -> int:
     # A held tensor read as itself or cast back from its widening is one value: one leaf.
-    return id(value.entry) if isinstance(value, Source) else id(value.tensor)
+    if isinstance(value, Source):
+        return id(value.entry)
+    return id(value) if isinstance(value, Call) else id(value.tensor)
 
 
-def _leaf_values(call: Call, fetch) -> list | None:
+def _leaf_values(call: Call, fetch, device_type: str) -> list | None:
     """The tensors the kernel takes, in the order tree_program numbered them (the first reading of
-    each, depth first), as float32."""
+    each, depth first), as float32. A call read as a leaf is made once, its reading counted by the
+    calls that read it as they skip (Call.skip)."""
     found: dict[int, torch.Tensor] = {}
-    for value in _leaves(call):
-        if not isinstance(value, (Source, Param)) or _leaf_key(value) in found:
+    for value in _tree_leaves(call):
+        if not isinstance(value, (Source, Param, Call)) or _leaf_key(value) in found:
             continue
-        tensor = fetch(value.entry) if isinstance(value, Source) else value.get()
+        if isinstance(value, Call):
+            tensor = value.made_once(fetch, device_type)
+        else:
+            tensor = fetch(value.entry) if isinstance(value, Source) else value.get()
         if tensor.dtype not in _LEAF_DTYPES:
             return None
         found[_leaf_key(value)] = tensor if tensor.dtype is torch.float32 else tensor.float()

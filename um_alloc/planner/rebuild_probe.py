@@ -19,10 +19,10 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..byte_views import storage_bytes
-from ..rebuild import CAST_NODE, Call, Held, Param, Recipe, RootRecorder, Shared, Source
+from ..rebuild import CAST_NODE, MATMUL_FUNCTIONS, Call, Held, Param, Recipe, RootRecorder, Shared, Source
 from ..tensor_trees import tensors as _tensors
 from .fused_tree import fuse
-from .rebuilt import (Narrowed, Nested, ParamRef, PlaceCall, PlaceRecipe, Slot, UnitRecipes, _Eligible,
+from .rebuilt import (MAX_ROUTE, Narrowed, Nested, ParamRef, PlaceCall, PlaceRecipe, Slot, UnitRecipes, _Eligible,
                       _Kept, _unchanged)
 
 __all__ = ["RebuildProbe", "place_recipe"]
@@ -80,11 +80,23 @@ class _UnitCall:
 
     def recipe_for(self, tensor: torch.Tensor) -> Recipe | None:
         """A recipe worth using: one that makes new memory (a call, or a cast). A view of a held
-        tensor, or of a parameter, shares its memory: saving it costs nothing."""
+        tensor, or of a parameter, shares its memory: saving it costs nothing. One that reruns a
+        matrix product only where it makes a float32 copy (autocast's of a bf16 linear output, for
+        pow: twice the product's bytes); elsewhere the product's output costs its own bytes, and
+        rerunning it costs nearly what recomputing the unit does."""
         recipe = self.roots.recipe_for(tensor)
         if recipe is None or (isinstance(recipe.root, Held) and recipe.cast is None):
             return None
+        if recipe.cast not in WIDE and isinstance(recipe.root, Call) and _reruns_a_product(recipe.root):
+            return None
         return recipe
+
+
+WIDE = (torch.float32, torch.float64)  # the casts a recipe that reruns a product may end in
+
+
+def _reruns_a_product(call: Call) -> bool:
+    return call.func in MATMUL_FUNCTIONS or any(_reruns_a_product(c) for c in call.nested())
 
 
 def place_recipe(recipe: Recipe, tensor: torch.Tensor) -> PlaceRecipe | None:
@@ -130,28 +142,28 @@ def _place_call(call: Call, node, place_of: Callable) -> PlaceCall | None:
             # that saved it (pow) reads autocast's copy, which its rerun makes again.
             held = value.entry.tensor
             below = held.grad_fn.next_functions[0] if type(held.grad_fn).__name__ == CAST_NODE else None
-            index = _input_index(inputs, *below) if below is not None else None
-            if index is not None:
-                widened.append((value.entry.slot, index))
+            route = route_to(inputs, *below) if below is not None else None
+            if route is not None:
+                widened.append((value.entry.slot, route))
             else:
                 edge = get_gradient_edge(held)
-                index = _input_index(inputs, edge.node, edge.output_nr)
-                if index is None:
+                route = route_to(inputs, edge.node, edge.output_nr)
+                if route is None:
                     return _DIFFERS
-                edges.append((value.entry.slot, index))
+                edges.append((value.entry.slot, route))
             return Narrowed(place_of(value), value.cast)
         if isinstance(value, Call):
-            index = _input_index(inputs, *value.made)
-            inner = _place_call(value, value.made[0], place_of) if index is not None else None
-            return _DIFFERS if inner is None else Nested(index, inner)
+            route = route_to(inputs, *value.made)
+            inner = _place_call(value, value.made[0], place_of) if route is not None else None
+            return _DIFFERS if inner is None else Nested(route, inner)
         if isinstance(value, Source):
             if not value.entry.tensor.requires_grad:
                 return _DIFFERS
             edge = get_gradient_edge(value.entry.tensor)
-            index = _input_index(inputs, edge.node, edge.output_nr)
-            if index is None:
+            route = route_to(inputs, edge.node, edge.output_nr)
+            if route is None:
                 return _DIFFERS
-            edges.append((value.entry.slot, index))
+            edges.append((value.entry.slot, route))
         return place_of(value)
 
     args = tuple(placed(a) for a in call.args)
@@ -161,8 +173,19 @@ def _place_call(call: Call, node, place_of: Callable) -> PlaceCall | None:
     return PlaceCall(call.func, args, kwargs, call.autocast, type(node).__name__, tuple(edges), tuple(widened))
 
 
-def _input_index(inputs: tuple, node, nr: int) -> int | None:
-    return next((i for i, (fn, fn_nr) in enumerate(inputs) if fn is node and fn_nr == nr), None)
+def route_to(inputs: tuple, node, nr: int) -> tuple | None:
+    """The shortest Route from `inputs` (a node's next_functions) to the edge (node, nr), through
+    at most MAX_ROUTE nodes, or None. Breadth first, each node's inputs in order: one answer."""
+    frontier = [((i,), fn, fn_nr) for i, (fn, fn_nr) in enumerate(inputs)]
+    for depth in range(MAX_ROUTE + 1):
+        for route, fn, fn_nr in frontier:
+            if fn is node and fn_nr == nr:
+                return route
+        if depth == MAX_ROUTE:
+            return None
+        frontier = [((*route, type(fn).__name__, i), below, below_nr) for route, fn, _ in frontier if fn is not None
+                    for i, (below, below_nr) in enumerate(fn.next_functions)]
+    return None
 
 
 @dataclass
@@ -248,7 +271,11 @@ class RebuildProbe:
             return
         self.forward_cpu_s += checked - begun
         # Not held, as in replay, where it is rebuilt; should it turn out unequal, the recipes
-        # that could have read it are missed, which costs bytes, not correctness.
+        # that could have read it are missed, which costs bytes, not correctness. A cast (pow's
+        # float32 copy of a linear's output) is read as held all the same: replay makes it once for
+        # its readers (_MadeAgain), which then need not rerun the linear each.
+        if type(tensor.grad_fn).__name__ == CAST_NODE and tensor.dtype in WIDE:
+            call.hold(tensor, Slot("save", place))
         rebuild, key = bound
         base_key = call.base_number(key)  # not the node: held by _Tried, it would wait for the cycle collector
         fused = None

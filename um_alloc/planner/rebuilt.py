@@ -75,8 +75,8 @@ class PlaceCall:
     kwargs: tuple                # (name, value) pairs, values as in args
     autocast: tuple
     node: str                    # its node's type name
-    edges: tuple                 # (Slot of a tensor it reads, index among its node's inputs)
-    widened: tuple = ()          # (Slot of a widening it reads back, index of the widened tensor's edge)
+    edges: tuple                 # (Slot of a tensor it reads, the Route to its edge from its node's inputs)
+    widened: tuple = ()          # (Slot of a widening it reads back, the Route to the widened tensor's edge)
     binders: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -93,9 +93,34 @@ class Narrowed:
 
 @dataclass(frozen=True)
 class Nested:
-    """An input of a call that is another call's output: the `index`-th input of the reader's node."""
-    index: int
+    """An input of a call that is another call's output, reached from the reader's node by `route`."""
+    route: tuple
     call: PlaceCall
+
+
+# A Route leads from a node's inputs to an edge below it: (index, [type name, index]...). The first
+# index picks one of the node's inputs; each pair after it steps through a node of that type to its
+# index-th input. A call reads most tensors directly, (index,); others through nodes it makes
+# itself: autocast's cast of the input (pow's float32 copy, a linear's bf16 one), the views inside a
+# linear (a view, the product, a view of its input, a cast).
+MAX_ROUTE = 4  # nodes a route steps through
+
+
+def reached(inputs: tuple, route: tuple) -> tuple | None:
+    """The edge (node, output number) `route` leads to from `inputs` (a node's next_functions), or
+    None where a node on the way is not the route's."""
+    index = route[0]
+    if index >= len(inputs):
+        return None
+    fn, nr = inputs[index]
+    for k in range(1, len(route), 2):
+        if fn is None or type(fn).__name__ != route[k]:
+            return None
+        below = fn.next_functions
+        if route[k + 1] >= len(below):
+            return None
+        fn, nr = below[route[k + 1]]
+    return fn, nr
 
 
 @dataclass(frozen=True)
@@ -121,7 +146,7 @@ class PlaceRecipe:
     kwargs: tuple = ()           # (name, value) pairs, values as in args
     autocast: tuple = ()
     node: str = ""               # the root node's type name ("call")
-    edges: tuple = ()            # (Slot of a tensor it reads, index among the root node's inputs)
+    edges: tuple = ()            # (Slot of a tensor it reads, the Route to its edge from the root node's inputs)
     widened: tuple = ()          # as PlaceCall's
     # Replay's forms of reads, args and kwargs, made once: bind runs at every save of every step.
     layouts: tuple = field(init=False, repr=False, compare=False)   # (Slot, (dtype, size, stride))
@@ -165,6 +190,8 @@ class PlaceRecipe:
             return Held(Param(param, param._version), param.numel()) if ok else None
         if self.root == "held":
             entry = held[self.source]
+            if entry.tensor is None:
+                return None  # made again itself (_MadeAgain): a view of it keeps its own bytes
             return Held(Source(entry), entry.tensor.numel()) if _reaches(node, nr, entry.tensor) else None
         call = _bound_call(self, node, nr, held, calls)
         if call is not None and not call.numel:
@@ -194,7 +221,7 @@ def _binders(args: tuple, kwargs: tuple) -> tuple:
 def _bound_call(described, node, nr: int, held: dict, calls: dict) -> Call | None:
     """The Call `described` (a PlaceRecipe's root or a PlaceCall) makes at (node, nr), if the graph
     there is calibration's: the node's type, its edges to the held tensors it reads, and each
-    nested call's the same way at its input index. A node already bound in this unit call gives
+    nested call's the same way along its route. A node already bound in this unit call gives
     its Call, which the trees that read it share."""
     if node is None or type(node).__name__ != described.node:
         return None
@@ -202,17 +229,15 @@ def _bound_call(described, node, nr: int, held: dict, calls: dict) -> Call | Non
     if known is not None:
         return known
     inputs = node.next_functions
-    count = len(inputs)
-    for slot, index in described.edges:
-        if index >= count:
-            return None
-        fn, fn_nr = inputs[index]
+    for slot, route in described.edges:
+        edge = reached(inputs, route)
         edge_node, edge_nr = held[slot].edge()
-        if fn is not edge_node or fn_nr != edge_nr:
+        if edge is None or edge[0] is not edge_node or edge[1] != edge_nr:
             return None
-    for slot, index in described.widened:
+    for slot, route in described.widened:
         below = held[slot].widened_from()
-        if index >= count or below is None or inputs[index][0] is not below[0] or inputs[index][1] != below[1]:
+        edge = reached(inputs, route)
+        if below is None or edge is None or edge[0] is not below[0] or edge[1] != below[1]:
             return None
     bound = _bound_values(described.binders, held, inputs, calls)
     if bound is None:
@@ -266,10 +291,10 @@ def _bound_values(binders: tuple, held: dict, inputs: tuple, calls: dict) -> tup
         elif kind == _NARROWED:
             bound = Source(held[value.slot], cast=value.dtype)
         else:
-            if value.index >= len(inputs):
+            edge = reached(inputs, value.route)
+            if edge is None:
                 return None
-            fn, fn_nr = inputs[value.index]
-            bound = _bound_call(value.call, fn, fn_nr, held, calls)
+            bound = _bound_call(value.call, edge[0], edge[1], held, calls)
             if bound is None:
                 return None
         if keyword is None:
@@ -333,6 +358,16 @@ class _Kept:
         self._edge = None
         self._widened_from = _NOT_LOOKED
 
+    def get(self) -> torch.Tensor:
+        """The tensor, if nothing changed it in place since it was held."""
+        tensor = self.tensor
+        if tensor._version != self.version:
+            raise RuntimeError(f"planner: a tensor of shape {tuple(tensor.shape)} that {self.unit or 'a unit'} holds "
+                               f"to rebuild others from was changed in place after its forward (version "
+                               f"{self.version} -> {tensor._version}); rebuilding from it would give wrong "
+                               "gradients. Leave 'rebuild' out of the planner's decisions for this model")
+        return tensor
+
     def widened_from(self) -> tuple | None:
         """The edge (node, output number) of the tensor it is a cast of, if it is one: found once."""
         if self._widened_from is _NOT_LOOKED:
@@ -350,15 +385,29 @@ class _Kept:
         return self._edge
 
 
+class _MadeAgain(_Kept):
+    """A tensor a unit rebuilds that other recipes read as well (autocast's float32 copy of a
+    linear's output, which pow saves and the GELU's trees read back): nothing is held, and backward
+    makes it once from its own recipe, for itself and its readers. It goes with the last of them."""
+    __slots__ = ("rebuilt", "_made")
+
+    def __init__(self, tensor: torch.Tensor, unit: str, rebuilt: _Rebuilt):
+        super().__init__(tensor, tensor._version, unit)
+        # What replay checks of it, found while the tensor is here: it is not held past forward.
+        self.edge()
+        self.widened_from()
+        self.tensor = None
+        self.rebuilt, self._made = rebuilt, None
+
+    def get(self) -> torch.Tensor:
+        if self._made is None:
+            self._made = self.rebuilt.tensor()
+        return self._made
+
+
 def _unchanged(entry: _Kept) -> torch.Tensor:
-    """The held tensor itself, if nothing changed it in place since it was held."""
-    tensor = entry.tensor
-    if tensor._version != entry.version:
-        raise RuntimeError(f"planner: a tensor of shape {tuple(tensor.shape)} that {entry.unit or 'a unit'} holds "
-                           f"to rebuild others from was changed in place after its forward (version "
-                           f"{entry.version} -> {tensor._version}); rebuilding from it would give wrong "
-                           "gradients. Leave 'rebuild' out of the planner's decisions for this model")
-    return tensor
+    """The held tensor itself, if nothing changed it in place since it was held (or one made again)."""
+    return entry.get()
 
 
 class _Eligible:
@@ -456,8 +505,15 @@ class RebuiltSaves:
                 count_reads(rebuild.root)  # built once for this base
         base.uses += 1
         self.rebuilt_bytes += tensor.nbytes
-        return _Rebuilt(rebuild, base, self._device_type)
+        rebuilt = _Rebuilt(rebuild, base, self._device_type)
+        if place in self._held_places:  # other recipes read it: made once for them and for itself
+            made = self._held[Slot("save", place)] = _MadeAgain(tensor, self._unit, rebuilt)
+            return made
+        return rebuilt
 
 
 def _unpack(packed):
-    return packed.tensor() if type(packed) is _Rebuilt else packed
+    kind = type(packed)
+    if kind is _Rebuilt:
+        return packed.tensor()
+    return packed.get() if kind is _MadeAgain else packed
