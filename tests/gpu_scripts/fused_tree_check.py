@@ -45,7 +45,7 @@ def outcome(tree: Call) -> str:
     dtypes = {}
     with torch.no_grad():
         eager = fused_tree._eager(tree, fetch, "cuda", dtypes)
-        written = fused_tree._written(tree, dtypes)
+        written = fused_tree._written(tree, dtypes, "cuda")
         if written is None:
             return "unwritten"
         same = fused_tree._same_bits(written, tree, fetch, eager)
