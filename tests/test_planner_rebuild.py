@@ -40,7 +40,7 @@ class PackCounter:
 
         def counting(saves, tensor):
             out = pack(saves, tensor)
-            if type(out) is rebuilt_module._Rebuilt:
+            if type(out) in (rebuilt_module._Rebuilt, rebuilt_module._MadeAgain):
                 self.rebuilt += 1
             else:
                 self.kept += 1
