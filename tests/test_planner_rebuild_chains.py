@@ -135,6 +135,63 @@ def _noted(packed, made: list):
     return packed
 
 
+class _SquaredCopy(torch.nn.Module):
+    """A float32 copy of a linear's output (as RMSNorm's x.float()) that one call saves twice, and a
+    bf16 cast of it that another saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.scale = torch.nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        copy_ = self.inner(x).float()
+        return x + self.outer(copy_ * copy_ + self.scale * copy_.bfloat16())
+
+
+class _Copies(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_SquaredCopy() for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_float32_copy_saved_twice_is_made_again_for_both_saves(monkeypatch):
+    """Both saves of the copy rebuild from the product (one base, made once), so no save of it is
+    held; the bf16 cast of it, two casts from the product, is held."""
+    torch.manual_seed(0)
+    model, x = _Copies(), torch.randn(4, 8, 16, requires_grad=True)
+    plain = copy.deepcopy(model)
+
+    def loss_of_(net):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return net(x)
+    planner = BlockPlanner(model, "1GiB", decisions=["rebuild"], lean_loss=False)
+    planner._runtime.min_bytes = 1
+    for _ in range(3):
+        loss_of_(model).backward()
+        model.zero_grad()
+    for unit in recipes_of(planner).values():
+        copies = sorted(p for p, r in unit.places.items() if r.root == "call" and r.func is torch.nn.functional.linear)
+        assert len(copies) == 2 and all(unit.places[p].cast is torch.float32 for p in copies)
+        assert copies[0] + 2 in unit.held_places  # the bf16 cast, read by the sum's tree
+    made = []
+    pack = rebuilt_module.RebuiltSaves._pack
+    monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", lambda saves, t: _noted(pack(saves, t), made))
+    loss = loss_of_(model)
+    loss.backward()
+    expected = loss_of_(plain)
+    expected.backward()
+    planner.remove()
+    assert len(made) == 3  # one a block: the save the sum's tree reads
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 def test_no_recipe_reruns_a_product_where_it_makes_no_float32_copy():
     """Under CPU autocast pow saves x itself, the linear's bf16 output: rerunning the product would
     save its own bytes only, at nearly a recomputation's cost. x stays held."""

@@ -275,13 +275,15 @@ class RootRecorder:
         else:
             self._waiting.append(look)
 
-    def add_held(self, tensor: torch.Tensor, entry: Any) -> None:
-        """`tensor` was just saved and is held as `entry`: views and casts of it need not move."""
+    def add_held(self, tensor: torch.Tensor, entry: Any, root: bool = True) -> None:
+        """`tensor` was just saved and is held as `entry`: views and casts of it need not move. With
+        root=False, only calls read it as held (a tensor rebuilt itself, which the caller makes once
+        for its readers): a save of it, or of a view or cast of it, finds its own recipe."""
         if self._trees and tensor.grad_fn is not None:
             self._held_edges[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, entry, tensor._version)
             self._note_widening(tensor, entry)
         node, nr = _root_of(tensor)
-        if node is not None and _covers_storage(tensor):
+        if root and node is not None and _covers_storage(tensor):
             self._roots[(id(node), nr)] = (node, Held(Source(entry), tensor.numel()))
 
     def _note_widening(self, tensor: torch.Tensor, entry: Any) -> None:

@@ -48,11 +48,13 @@ class _UnitCall:
         entry = self.held.get((id(tensor), tensor._version))
         return entry if entry is not None and entry.tensor is tensor else None
 
-    def hold(self, tensor: torch.Tensor, slot: Slot) -> None:
+    def hold(self, tensor: torch.Tensor, slot: Slot, root: bool = True) -> None:
+        """Holds `tensor` as recipes read it; root=False for one rebuilt itself (made again in replay,
+        _MadeAgain), whose other saves rebuild as it does rather than view what replay never holds."""
         entry = _Kept(tensor, tensor._version, self.unit, slot)
         self.held[(id(tensor), tensor._version)] = entry
         self.by_slot[slot] = entry
-        self.roots.add_held(tensor, entry)
+        self.roots.add_held(tensor, entry, root)
 
     def close(self) -> None:
         """The call's forward is over: let go of what it held (the recipes keep what they read).
@@ -275,7 +277,7 @@ class RebuildProbe:
         # float32 copy of a linear's output) is read as held all the same: replay makes it once for
         # its readers (_MadeAgain), which then need not rerun the linear each.
         if type(tensor.grad_fn).__name__ == CAST_NODE and tensor.dtype in WIDE:
-            call.hold(tensor, Slot("save", place))
+            call.hold(tensor, Slot("save", place), root=False)
         rebuild, key = bound
         base_key = call.base_number(key)  # not the node: held by _Tried, it would wait for the cycle collector
         fused = None
