@@ -70,9 +70,18 @@ def programs_run_on_the_cpu(monkeypatch):
     made = []
     monkeypatch.setattr(fused_tree, "DEVICE_TYPES", ("cpu", "cuda"))
     monkeypatch.setattr(fused_tree, "_VERDICTS", {})
+    monkeypatch.setattr(fused_tree, "_NARROW_VERDICTS", {})
     monkeypatch.setattr(fused_tree.FusedTree, "_launch", lambda self, leaves: made.append(self) or
-                        evaluate(self.program, leaves))
+                        as_jiterator_writes(evaluate(self.program, [leaf.float() for leaf in leaves]), leaves))
     yield made
+
+
+def as_jiterator_writes(out: torch.Tensor, leaves: list) -> torch.Tensor:
+    """jiterator's kernel computes in float32 from its tensors and writes the dtype they promote to."""
+    dtype = leaves[0].dtype
+    for leaf in leaves[1:]:
+        dtype = torch.promote_types(dtype, leaf.dtype)
+    return out.to(dtype)
 
 
 def test_the_programs_of_arithmetic_trees():
@@ -179,6 +188,84 @@ def test_a_program_that_differs_from_the_eager_tree_is_not_used(monkeypatch, pro
     assert fused_tree.fuse(_gelu(Source(torch.randn(256))), lambda e: e, "cpu") is None
 
 
+class _Widened:
+    """A held entry whose float32 tensor is a widening of a bf16 one it still has (rebuilt.py's
+    _MadeAgain: the GELU's float32 copy made again from the linear's bf16 product)."""
+
+    def __init__(self, narrow: torch.Tensor):
+        self.narrow, self.wide = narrow, narrow.float()
+
+    def narrowed(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return self.narrow if dtype is self.narrow.dtype else None
+
+
+def _launches_of(monkeypatch) -> list:
+    """The dtypes of the tensors each kernel launch reads."""
+    launched, launch = [], fused_tree.FusedTree._launch
+    monkeypatch.setattr(fused_tree.FusedTree, "_launch", lambda self, leaves: launched.append(
+        [leaf.dtype for leaf in leaves]) or launch(self, leaves))
+    return launched
+
+
+def test_a_bf16_tree_reads_the_bf16_tensors_its_copies_widen(programs_run_on_the_cpu, monkeypatch):
+    """Read through float32 copies that widen bf16 tensors backward still has, a tree whose output
+    is bf16 takes those: jiterator's kernel writes bf16 itself, the bits of the float32 kernel's
+    output cast; where a copy has no bf16 form left, the float32 kernel and a cast run."""
+    b = (torch.randn(4096) * 3).to(torch.bfloat16)
+    entry = _Widened(b)
+    fetch = lambda e: e.wide if isinstance(e, _Widened) else e  # noqa: E731
+    tree = _gelu(Source(entry, cast=torch.bfloat16))
+    tree.fused = fused_tree.fuse(tree, fetch, "cpu")
+    assert tree.fused is not None and tree.fused.dtype is torch.bfloat16
+    launched = _launches_of(monkeypatch)
+    with torch.no_grad():
+        made = tree.run(fetch, "cpu")
+        assert launched[-1] == [torch.bfloat16]  # after the first comparison with the float32 kernel
+        entry.narrow = None
+        entry.narrowed = lambda dtype: None
+        wide = tree.run(fetch, "cpu")
+        assert launched[-1] == [torch.float32]
+        tree.fused = None
+        eager = tree.run(fetch, "cpu")
+    assert made.dtype is wide.dtype is eager.dtype is torch.bfloat16
+    assert torch.equal(bits(made), bits(eager)) and torch.equal(bits(wide), bits(eager))
+
+
+def test_a_tree_cast_to_bf16_by_its_recipe_writes_bf16_itself(programs_run_on_the_cpu, monkeypatch):
+    """A float32 tree whose recipe casts it to bf16 (the GELU's output, which the next linear
+    saves cast): given the bf16 tensors, the kernel writes the cast itself, with its bits."""
+    entry = _Widened((torch.randn(4096) * 3).to(torch.bfloat16))
+    fetch = lambda e: e.wide  # noqa: E731
+    x = Source(entry, cast=torch.bfloat16)
+    tree = call(T.__mul__, call(T.__rmul__, x, 0.5), call(T.__radd__, call(torch.tanh, Source(entry)), 1.0))
+    tree.fused = fused_tree.fuse(tree, fetch, "cpu")
+    assert tree.fused is not None and tree.fused.dtype is torch.float32
+    launched = _launches_of(monkeypatch)
+    with torch.no_grad():
+        made = tree.run_cast(fetch, "cpu", torch.bfloat16)
+        tree.fused = None
+        eager = tree.run(fetch, "cpu").to(torch.bfloat16)
+    assert launched[-1] == [torch.bfloat16]
+    assert made.dtype is torch.bfloat16 and torch.equal(bits(made), bits(eager))
+
+
+def test_narrow_tensors_that_change_the_bits_are_not_used(programs_run_on_the_cpu, monkeypatch):
+    entry = _Widened((torch.randn(256) * 3).to(torch.bfloat16))
+    fetch = lambda e: e.wide  # noqa: E731
+    launch = fused_tree.FusedTree._launch
+    monkeypatch.setattr(fused_tree.FusedTree, "_launch", lambda self, leaves: launch(self, leaves) + 1.0
+                        if leaves[0].dtype is torch.bfloat16 else launch(self, leaves))
+    tree = _gelu(Source(entry, cast=torch.bfloat16))
+    tree.fused = fused_tree.fuse(tree, fetch, "cpu")
+    assert tree.fused is not None  # the float32 kernel, cast, still gives the eager bits
+    with torch.no_grad():
+        made = tree.run(fetch, "cpu")
+        tree.fused = None
+        eager = tree.run(fetch, "cpu")
+    assert torch.equal(bits(made), bits(eager))
+    assert list(fused_tree._NARROW_VERDICTS.values()) == [False]
+
+
 def test_a_fused_root_releases_the_calls_it_did_not_run(programs_run_on_the_cpu):
     """Replay counts each nested call's reads; a fused root reads none of their outputs, and must
     not leave them held until the tree is dropped."""
@@ -213,6 +300,7 @@ def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_fl
     for unit in recipes_of(planner).values():
         assert sorted(unit.places[p].node for p in unit.fused) == ["AddBackward0", "MulBackward0", "TanhBackward0"]
     runs, launched = [], len(programs_run_on_the_cpu)
+    leaves = _launches_of(monkeypatch)
     run = rebuild_module.Call._run
     monkeypatch.setattr(rebuild_module.Call, "_run", lambda c, fetch, device: runs.append(c.func.__name__)
                         or run(c, fetch, device))
@@ -223,9 +311,13 @@ def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_fl
         expected.backward()
         assert torch.equal(loss, expected)
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
-    # Per block and step: the three roots (tanh's, 1 + t's, the product's) and 0.5 * x, a single
-    # call, with the LayerNorms, and x made again (the linear's product of the second LayerNorm's
-    # output, viewed as a matrix): no call inside a tree (pow, the inner mul and add).
-    assert sorted(runs) == sorted(["tanh", "add", "mul", "mul", "layer_norm", "layer_norm", "addmm", "view"] * 3 * 2)
+    # Per block and step: two roots run (tanh's, 1 + t's) and 0.5 * x, a single call, with the
+    # LayerNorms, and x made again (the linear's product of the second LayerNorm's output, viewed
+    # as a matrix); the product's root, cast, is its kernel alone (Call.run_cast). No call inside a
+    # tree runs (pow, the inner mul and add).
+    assert sorted(runs) == sorted(["tanh", "add", "mul", "layer_norm", "layer_norm", "addmm", "view"] * 3 * 2)
     assert len(programs_run_on_the_cpu) - launched == 3 * 3 * 2
+    # The product's tree, cast to bf16 for the second linear, reads the first linear's bf16 product
+    # that the float32 copy widens, and writes bf16 itself; tanh's and 1 + t's write float32.
+    assert sorted(map(str, leaves)) == sorted((["[torch.bfloat16]"] + ["[torch.float32]"] * 2) * 3 * 2)
     planner.remove()

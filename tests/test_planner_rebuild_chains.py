@@ -109,24 +109,35 @@ def test_a_gelu_whose_pow_saves_a_float32_copy_rebuilds_from_it(monkeypatch, pow
 def test_pows_float32_copy_is_made_again_from_the_linears_product(monkeypatch, pow_in_float32):
     """That copy, twice the first linear's output in bytes, is held by nothing: backward makes it
     again from the linear's product of the second LayerNorm's output (itself made again from what
-    that LayerNorm saves), once for pow and for the trees that read x back from it."""
+    that LayerNorm saves), once for pow and for the trees that read x back from it. Those that read
+    x itself (0.5 * x) take the bf16 product the copy widens, not a cast of the copy."""
     model = tiny_gpt2()
     plain = copy.deepcopy(model)
     planner = planned(model, ids_of(), autocast=True)
     for unit in recipes_of(planner).values():
         (copy_place,) = [p for p, r in unit.places.items() if r.root == "call" and r.func is torch.addmm]
         assert unit.places[copy_place].cast is torch.float32 and copy_place in unit.held_places
-    made = []
+    made, narrowed = [], []
     pack = rebuilt_module.RebuiltSaves._pack
     monkeypatch.setattr(rebuilt_module.RebuiltSaves, "_pack", lambda saves, t: _noted(pack(saves, t), made))
+    narrow = rebuilt_module._MadeAgain.narrowed
+    monkeypatch.setattr(rebuilt_module._MadeAgain, "narrowed", lambda entry, dtype: _noted_narrow(
+        narrow(entry, dtype), narrowed))
     loss = loss_of(model, ids_of(3), autocast=True)
     assert len(made) == 3 and all(entry.tensor is None for entry in made)  # one a block, nothing held
     loss.backward()
+    assert len(narrowed) >= 3 and all(t.dtype is torch.bfloat16 for t in narrowed)
     expected = loss_of(plain, ids_of(3), autocast=True)
     expected.backward()
     assert torch.equal(loss, expected)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
     planner.remove()
+
+
+def _noted_narrow(tensor, narrowed: list):
+    if tensor is not None:
+        narrowed.append(tensor)
+    return tensor
 
 
 def _noted(packed, made: list):

@@ -99,6 +99,17 @@ class Source:
     entry: Any
     cast: torch.dtype | None = None
 
+    def read(self, fetch: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The tensor, cast. An entry that made its tensor by widening a narrower one it still has
+        (the planner's copy made again from a linear's product) gives that one back for the cast:
+        the same bits, with no kernel (its `narrowed(dtype)`, None where it has none)."""
+        tensor = fetch(self.entry)
+        if self.cast is None or tensor.dtype is self.cast:
+            return tensor
+        narrowed = getattr(self.entry, "narrowed", None)
+        made = narrowed(self.cast) if narrowed is not None else None
+        return made if made is not None else tensor.to(self.cast)
+
 
 @dataclass
 class Shared:
@@ -141,6 +152,20 @@ class Call:
         if self.shared is not None:
             return self.shared.take(lambda: self._run(fetch, device_type))
         return self._run(fetch, device_type)
+
+    def run_cast(self, fetch: Callable[[Any], torch.Tensor], device_type: str, dtype: torch.dtype) -> torch.Tensor:
+        """Its output cast to `dtype`. Where this is its only read, a fused tree may write `dtype`
+        itself (FusedTree), with no float32 output to cast."""
+        shared = self.shared
+        if self.fused is not None and (shared is None or (shared.uses == 1 and shared.tensor is None)):
+            out = self.fused(self, fetch, dtype)
+            if out is not None:
+                if shared is not None:
+                    shared.uses = 0
+                for nested in self.nested():
+                    nested.skip()
+                return out
+        return self.run(fetch, device_type).to(dtype)
 
     def made_once(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
         """Its output, made if nothing made it yet, without counting a read: a kernel that reads it
@@ -214,11 +239,18 @@ class Recipe:
 
     def build_base(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
         """The root, cast: what recipes of one root and one cast share (see base_key)."""
+        if self.cast is not None and isinstance(self.root, Call):
+            return self.root.run_cast(fetch, device_type, self.cast)
+        return self.cast_root(self.build_root(fetch, device_type))
+
+    def build_root(self, fetch: Callable[[Any], torch.Tensor], device_type: str) -> torch.Tensor:
+        """The root's output, before the cast."""
         if isinstance(self.root, Call):
-            base = self.root.run(fetch, device_type)
-        else:
-            base = _value(self.root.source, fetch, device_type)
-        return base if self.cast is None else base.to(self.cast)
+            return self.root.run(fetch, device_type)
+        return _value(self.root.source, fetch, device_type)
+
+    def cast_root(self, root: torch.Tensor) -> torch.Tensor:
+        return root if self.cast is None else root.to(self.cast)
 
     def shape(self, base: torch.Tensor) -> torch.Tensor:
         """This recipe's own view of what build_base made."""
@@ -453,8 +485,7 @@ def _value(value, fetch, device_type: str):
     if isinstance(value, Call):
         return value.run(fetch, device_type)
     if isinstance(value, Source):
-        tensor = fetch(value.entry)
-        return tensor if value.cast is None else tensor.to(value.cast)
+        return value.read(fetch)
     return value
 
 

@@ -15,6 +15,11 @@ the first time a tree is fused, the kernel's result is compared with the eager t
 byte, and the tree runs eagerly unless they are equal. A call the table below does not know (the
 linear whose output the GELU reads) is made by itself and read as one of the kernel's tensors. A
 tree with a dtype other than float32 and bfloat16, or a leaf off the GPU, runs eagerly.
+
+jiterator's kernel writes the dtype of the tensors it reads. A bfloat16 tree reading float32
+copies writes float32 and is cast after; where each copy is a widening made again whose bfloat16
+original backward still has (the GELU's product, rebuilt.py's _MadeAgain), the kernel reads
+those and writes bfloat16 itself, again only once it gave the same bits.
 """
 from __future__ import annotations
 
@@ -96,14 +101,40 @@ class FusedTree:
         self.device_type = device_type
         self._kernel = None
 
-    def __call__(self, call: Call, fetch: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
-        """The tree's output from its leaves, or None where `call` reads other leaves than the tree
-        this kernel was written for (its caller then runs it eagerly)."""
+    def __call__(self, call: Call, fetch: Callable[[Any], torch.Tensor],
+                 dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The tree's output from its leaves, cast to `dtype` if given (the recipe's cast), or None
+        where `call` reads other leaves than the tree this kernel was written for (its caller then
+        runs it eagerly)."""
+        dtype = dtype or self.dtype
+        if dtype is not torch.float32:
+            narrow = _narrow_leaf_values(call, fetch, dtype)
+            if narrow is not None and len(narrow) == self.leaves and self._narrow_gives_bits(call, fetch, narrow):
+                return self._launch(narrow)
+        out = self._wide(call, fetch)
+        return out if out is None else out.to(dtype)
+
+    def _wide(self, call: Call, fetch) -> torch.Tensor | None:
         leaves = _leaf_values(call, fetch, self.device_type)
         if leaves is None or len(leaves) != self.leaves:
             return None
         out = self._launch(leaves)
         return out if self.dtype is torch.float32 else out.to(self.dtype)
+
+    def _narrow_gives_bits(self, call: Call, fetch, narrow: list) -> bool:
+        """Whether the kernel given its tensors in a narrower dtype (jiterator's kernel then writes
+        that dtype) gives the bits of the float32 one cast to it: compared the first time, kept."""
+        dtype = narrow[0].dtype
+        key = (self.code, self.device_type, dtype)
+        if key not in _NARROW_VERDICTS:
+            wide, made = self._wide(call, fetch), self._launch(narrow)
+            wide = wide if wide is None else wide.to(dtype)
+            same = (wide is not None and made.dtype == wide.dtype and made.shape == wide.shape
+                    and made.stride() == wide.stride() and torch.equal(storage_bytes(made), storage_bytes(wide)))
+            log.info("planner: a rebuild's tree (%s) %s", self.name, f"writes {dtype} itself" if same else
+                     f"writes float32, then a cast: given {dtype} tensors, it did not give the same bits")
+            _NARROW_VERDICTS[key] = same
+        return _NARROW_VERDICTS[key]
 
     def _launch(self, leaves: list) -> torch.Tensor:
         if self._kernel is None:
@@ -112,6 +143,7 @@ class FusedTree:
 
 
 _VERDICTS: dict[tuple, FusedTree | None] = {}  # (code, device type) -> the kernel, if it gave the eager bits
+_NARROW_VERDICTS: dict[tuple, bool] = {}  # (code, device type, dtype) -> whether narrow leaves gave its bits
 
 
 def fuse(call: Call, fetch: Callable[[Any], torch.Tensor], device_type: str) -> FusedTree | None:
@@ -308,6 +340,25 @@ def _leaf_values(call: Call, fetch, device_type: str) -> list | None:
         if tensor.dtype not in _LEAF_DTYPES:
             return None
         found[_leaf_key(value)] = tensor if tensor.dtype is torch.float32 else tensor.float()
+    return list(found.values())
+
+
+def _narrow_leaf_values(call: Call, fetch, dtype: torch.dtype) -> list | None:
+    """The kernel's tensors in `dtype`, where each is a held tensor widened from one of `dtype` that
+    its entry still has (Source.read): the kernel reads them as float32, exactly as it would the
+    widened ones, and writes `dtype` itself. None where a tensor has no such form."""
+    found: dict[int, torch.Tensor] = {}
+    for value in _tree_leaves(call):
+        if not isinstance(value, (Source, Param, Call)) or _leaf_key(value) in found:
+            continue
+        narrowed = getattr(value.entry, "narrowed", None) if isinstance(value, Source) else None
+        if narrowed is None:
+            return None
+        fetch(value.entry)  # made, if it is made again
+        tensor = narrowed(dtype)
+        if tensor is None:
+            return None
+        found[_leaf_key(value)] = tensor
     return list(found.values())
 
 

@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ..rebuild import CAST_NODE, MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, Shared, Source, _root_of, as_saved
+from ..rebuild import (CAST_NODE, EXACT_WIDENINGS, MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, Shared, Source,
+                       _root_of, as_saved)
 
 __all__ = ["RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
 
@@ -341,7 +342,10 @@ class _Rebuilt:
     device_type: str
 
     def tensor(self) -> torch.Tensor:
-        return self.recipe.shape(self.base.take(lambda: self.recipe.build_base(_unchanged, self.device_type)))
+        return self.recipe.shape(self.base.take(self.build_base))
+
+    def build_base(self) -> torch.Tensor:
+        return self.recipe.build_base(_unchanged, self.device_type)
 
 
 _NOT_LOOKED = object()  # a cached lookup not made yet (its answer may be None)
@@ -388,8 +392,13 @@ class _Kept:
 class _MadeAgain(_Kept):
     """A tensor a unit rebuilds that other recipes read as well (autocast's float32 copy of a
     linear's output, which pow saves and the GELU's trees read back): nothing is held, and backward
-    makes it once from its own recipe, for itself and its readers. It goes with the last of them."""
-    __slots__ = ("rebuilt", "_made")
+    makes it once from its own recipe, for itself and its readers. It goes with the last of them.
+
+    Where it is an exact widening of its recipe's root (the float32 copy of the bf16 product), the
+    root stays with it too: a reader of the narrower tensor (0.5 * x, the GELU's bf16 product) takes
+    that instead of casting the copy back, which on GPT-2-medium costs two passes over 128 MiB a
+    block."""
+    __slots__ = ("rebuilt", "_made", "_narrow")
 
     def __init__(self, tensor: torch.Tensor, unit: str, rebuilt: _Rebuilt):
         super().__init__(tensor, tensor._version, unit)
@@ -397,12 +406,26 @@ class _MadeAgain(_Kept):
         self.edge()
         self.widened_from()
         self.tensor = None
-        self.rebuilt, self._made = rebuilt, None
+        self.rebuilt, self._made, self._narrow = rebuilt, None, None
 
     def get(self) -> torch.Tensor:
         if self._made is None:
-            self._made = self.rebuilt.tensor()
+            self._made = self.rebuilt.recipe.shape(self.rebuilt.base.take(self._build_base))
         return self._made
+
+    def narrowed(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The tensor in `dtype`, if it was made by widening one of that dtype exactly (Source.read)."""
+        if self._narrow is None or self._narrow.dtype is not dtype:
+            return None
+        return self.rebuilt.recipe.shape(self._narrow)
+
+    def _build_base(self) -> torch.Tensor:
+        recipe = self.rebuilt.recipe
+        root = recipe.build_root(_unchanged, self.rebuilt.device_type)
+        wide = recipe.cast_root(root)
+        if wide is not root and (root.dtype, wide.dtype) in EXACT_WIDENINGS and root.stride() == wide.stride():
+            self._narrow = root
+        return wide
 
 
 def _unchanged(entry: _Kept) -> torch.Tensor:
