@@ -3,7 +3,8 @@ written as, evaluated here with PyTorch's own CPU operations one rounding at a t
 eager tree's bits; a call the table lacks is made by itself and read as one of the program's
 tensors, its reads counted as eager calls count them; a planned GPT-2 whose GELU trees run as
 programs trains as plain autograd, its trees' inner calls never run in backward; trees the table
-cannot write stay eager.
+cannot write stay eager. A tree whose output is bf16, or cast to it, reads the bf16 tensors its
+float32 copies widen and writes bf16 itself, where that gives the bits of the float32 kernel cast.
 
 The kernel itself needs CUDA's runtime compiler: tests/test_gpu_fused_tree.py runs it."""
 import copy
