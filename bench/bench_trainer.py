@@ -86,6 +86,7 @@ def merged(runs: list[tuple[dict, dict, str]]) -> dict:
                "highwater_bytes": max(highwater) if highwater else None,
                "losses": good[0][0].get("losses") if good else None,
                "status": failures[0] if failures else "ok"}
+    figures["step_s_each_runs"] = [s.get("step_s_each") if status == "ok" else None for s, _, status in runs]
     if len(runs) > 1:
         figures["samples_per_s_runs"] = [s.get("samples_per_s") if status == "ok" else None for s, _, status in runs]
     summary, extra = good[0] if good else ({}, {})

@@ -63,8 +63,12 @@ class StepTimes:
 
         self.callback = Callback()
 
+    def each(self) -> list[float]:
+        """Each step's time but the first's, end to end."""
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
     def median(self, warmup: int) -> float | None:
-        steps = [b - a for a, b in zip(self.ends, self.ends[1:])][max(warmup - 1, 0):]
+        steps = self.each()[max(warmup - 1, 0):]
         return statistics.median(steps) if steps else None
 
 
@@ -109,6 +113,7 @@ def main(argv=None) -> dict:
     used_after = used_gpu_bytes()
     result = {"budget": args.budget, "gradient_checkpointing": args.gradient_checkpointing, "batch": args.batch_size,
               "seq_len": args.seq_len, "steps": args.steps, "step_s_median": step_s,
+              "step_s_each": [round(t, 5) for t in timer.each()],
               "samples_per_s": args.batch_size / step_s if step_s else None,
               "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
               "nvml_highwater_bytes": None if used_before is None or used_after is None else used_after - used_before}
