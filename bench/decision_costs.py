@@ -1,9 +1,12 @@
 """What each of the planner's decisions costs a block, measured, against what the cost model predicts.
 
     python bench/decision_costs.py --budget 40GiB --batch 32
+    python bench/decision_costs.py --model gpt2 --sync
 
-BERT-Large MLM (bf16 autocast, fused AdamW, dropout 0) under um_alloc with the block planner, at
-a budget that holds every activation (the device must have it free). After the planner's two
+BERT-Large MLM (bf16 autocast, fused AdamW, dropout 0; batch 32 of 512 tokens unless told), or
+with --model gpt2 GPT-2-medium (24 layers, dropout 0.1, batch 8 of 1,024 random tokens, its own
+loss), under um_alloc with the block planner, at a budget that holds every activation (the device
+must have it free). After the planner's two
 measuring steps, its plan is forced in turn to: every block kept, every block rebuilt, every block
 recomputed (the gaps kept throughout), then the planner's own plan; each runs --steps steps after
 one to settle, and its median step is set beside the model's prediction for it. --sync reads
@@ -36,28 +39,45 @@ from harness import RESULTS, new_run_id, write_result
 import torch
 
 FORCED = ("keep", "rebuild", "recompute")
+MODELS = {"bert": (32, 512), "gpt2": (8, 1024)}  # each model's batch and sequence length unless told
 PHASES = ("forward", "backward", "optimizer")
 
 
 def build(args):
     """The model, its optimizer and one batch on the GPU, under um_alloc with the planner attached."""
-    from transformers import BertConfig, BertForMaskedLM
-
     import um_alloc
-    from bert_example.data import SyntheticTokens
-    from bert_example.options import MAX_SEQ_LEN, MODELS
 
     um_alloc.install("planner.yaml", budget=args.budget)
-    config = BertConfig(vocab_size=30522, max_position_embeddings=MAX_SEQ_LEN, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, **MODELS["large"])
     torch.manual_seed(0)
+    model, batch = (gpt2 if args.model == "gpt2" else bert_large)(args)
     with um_alloc.tag("parameter"):
-        model = BertForMaskedLM(config).train().cuda()
+        model = model.train().cuda()
+    batch = {k: v.cuda() for k, v in batch.items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     um_alloc.tag_training(model, optimizer)
     planner = um_alloc.plan(model)
-    batch = {k: v.cuda() for k, v in SyntheticTokens(args.batch, args.seq_len, seed=0).batch(0).items()}
     return model, optimizer, planner, batch
+
+
+def bert_large(args):
+    """BERT-Large MLM on the CPU and one batch of synthetic tokens."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from bert_example.data import SyntheticTokens
+    from bert_example.options import MAX_SEQ_LEN, MODELS
+
+    config = BertConfig(vocab_size=30522, max_position_embeddings=MAX_SEQ_LEN, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, **MODELS["large"])
+    return BertForMaskedLM(config), SyntheticTokens(args.batch, args.seq_len, seed=0).batch(0)
+
+
+def gpt2(args):
+    """GPT-2-medium on the CPU and one batch of random tokens, its labels the tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=args.seq_len, use_cache=False)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    return GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
 
 
 def timed_steps(step, n: int) -> float:
@@ -149,10 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     from um_alloc.planner import Decision
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="bert")
     p.add_argument("--budget", default="40GiB", help="large enough to keep every activation (BERT-Large b32 "
-                                                     "peaks near 26 GiB)")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=512)
+                                                     "peaks near 26 GiB, GPT-2-medium b8 near 27 GiB)")
+    p.add_argument("--batch", type=int, default=None, help="default 32 (bert), 8 (gpt2)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 512 (bert), 1024 (gpt2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per forced plan")
     p.add_argument("--sync", action="store_true", help="read each step's loss (loss.item()), as train.py, Hugging "
                                                        "Face Trainer and progress bars do: the host waits for "
@@ -164,6 +185,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"block decisions forced in turn, comma-separated (default {','.join(FORCED)})")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    batch, seq_len = MODELS[args.model]
+    args.batch = batch if args.batch is None else args.batch
+    args.seq_len = seq_len if args.seq_len is None else args.seq_len
+    if args.batch < 1 or args.seq_len < 1:
+        p.error(f"--batch and --seq-len must be 1 or more, got {args.batch} and {args.seq_len}")
+    if args.model == "bert" and args.seq_len > 512:
+        p.error(f"--seq-len {args.seq_len}: BERT's positions end at 512")
     args.forced = [d.strip() for d in args.decisions.split(",") if d.strip()]
     known = [d.value for d in Decision]
     unknown = [d for d in args.forced if d not in known]
@@ -232,7 +260,7 @@ def main(argv=None) -> int:
                   f"{ahead['backward_gpu_ms']:.1f}", flush=True)
     per_block = per_block_costs(rows, sum(u.kind == "block" for u in planner.calibration.units))
     run_id = new_run_id("decision_costs")
-    record = {"run_id": run_id, "device": torch.cuda.get_device_name(), "workload": "bert-large-mlm",
+    record = {"run_id": run_id, "device": torch.cuda.get_device_name(), "workload": "gpt2-medium" if args.model == "gpt2" else "bert-large-mlm",
               "batch": args.batch, "seq_len": args.seq_len, "budget": args.budget, "steps": args.steps,
               "sync": args.sync, "host_lead_ms": args.host_lead,
               "forced": rows, "per_block": per_block, "planner": planner.to_dict()}

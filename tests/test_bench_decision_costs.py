@@ -14,6 +14,9 @@ import decision_costs  # noqa: E402
 @pytest.mark.parametrize("flags, says", [
     (["--decisions", "keep,bogus"], "--decisions: bogus not among keep, rebuild, move"),
     (["--host-lead", "-1"], "--host-lead must be 0 or more milliseconds, got -1.0"),
+    (["--model", "bert", "--seq-len", "1024"], "--seq-len 1024: BERT's positions end at 512"),
+    (["--model", "gpt2", "--batch", "0"], "--batch and --seq-len must be 1 or more, got 0 and 1024"),
+    (["--model", "t5"], "invalid choice: 't5'"),
 ])
 def test_decision_costs_refuses_bad_options_with_what_is_allowed(flags, says, capsys):
     with pytest.raises(SystemExit):
