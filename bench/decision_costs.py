@@ -6,10 +6,10 @@
 BERT-Large MLM (bf16 autocast, fused AdamW, dropout 0; batch 32 of 512 tokens unless told), or
 with --model gpt2 GPT-2-medium (24 layers, dropout 0.1, batch 8 of 1,024 random tokens, its own
 loss), under um_alloc with the block planner, at a budget that holds every activation (the device
-must have it free). After the planner's two
-measuring steps, its plan is forced in turn to: every block kept, every block rebuilt, every block
-recomputed (the gaps kept throughout), then the planner's own plan; each runs --steps steps after
-one to settle, and its median step is set beside the model's prediction for it. --sync reads
+must have it free). After the planner's two measuring steps, its plan is forced in turn to: every
+block kept, every block rebuilt, every block recomputed (the gaps kept throughout), then the
+planner's own plan; each runs --steps steps after one to settle, and its median step is set
+beside the model's prediction for it. --sync reads
 each step's loss, as most training loops do: the host then waits for every step. Per block, the
 difference between two forced plans is what one decision costs against the other: the figure
 the planner's cost model (um_alloc.planner.planning.UnitCost.cost_s) has to predict.
@@ -39,7 +39,7 @@ from harness import RESULTS, new_run_id, write_result
 import torch
 
 FORCED = ("keep", "rebuild", "recompute")
-MODELS = {"bert": (32, 512), "gpt2": (8, 1024)}  # each model's batch and sequence length unless told
+BATCH_SHAPES = {"bert": (32, 512), "gpt2": (8, 1024)}  # each model's batch and sequence length unless told
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -169,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from um_alloc.planner import Decision
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=MODELS, default="bert")
+    p.add_argument("--model", choices=BATCH_SHAPES, default="bert")
     p.add_argument("--budget", default="40GiB", help="large enough to keep every activation (BERT-Large b32 "
                                                      "peaks near 26 GiB, GPT-2-medium b8 near 27 GiB)")
     p.add_argument("--batch", type=int, default=None, help="default 32 (bert), 8 (gpt2)")
@@ -185,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"block decisions forced in turn, comma-separated (default {','.join(FORCED)})")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    batch, seq_len = MODELS[args.model]
+    batch, seq_len = BATCH_SHAPES[args.model]
     args.batch = batch if args.batch is None else args.batch
     args.seq_len = seq_len if args.seq_len is None else args.seq_len
     if args.batch < 1 or args.seq_len < 1:
