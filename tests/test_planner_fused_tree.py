@@ -222,8 +222,7 @@ def test_a_bf16_tree_reads_the_bf16_tensors_its_copies_widen(programs_run_on_the
     with torch.no_grad():
         made = tree.run(fetch, "cpu")
         assert launched[-1] == [torch.bfloat16]  # after the first comparison with the float32 kernel
-        entry.narrow = None
-        entry.narrowed = lambda dtype: None
+        entry.narrowed = lambda dtype: None  # its bf16 tensor let go
         wide = tree.run(fetch, "cpu")
         assert launched[-1] == [torch.float32]
         tree.fused = None
