@@ -249,6 +249,26 @@ def test_a_tree_cast_to_bf16_by_its_recipe_writes_bf16_itself(programs_run_on_th
     assert made.dtype is torch.bfloat16 and torch.equal(bits(made), bits(eager))
 
 
+def test_a_tree_two_recipes_read_is_made_once_in_float32_and_cast_for_each(programs_run_on_the_cpu, monkeypatch):
+    """Where the root is read twice (two saves of its output), run_cast makes the float32 output
+    once, for both, and lets it go after the second: the kernel writes no bf16 of its own."""
+    entry = _Widened((torch.randn(256) * 3).to(torch.bfloat16))
+    fetch = lambda e: e.wide  # noqa: E731
+    tree = call(T.__mul__, call(T.__rmul__, Source(entry, cast=torch.bfloat16), 0.5),
+                call(T.__radd__, call(torch.tanh, Source(entry)), 1.0))
+    tree.fused = fused_tree.fuse(tree, fetch, "cpu")
+    count_reads(tree)
+    count_reads(tree)
+    launched = _launches_of(monkeypatch)
+    with torch.no_grad():
+        first = tree.run_cast(fetch, "cpu", torch.bfloat16)
+        assert tree.shared.uses == 1 and tree.shared.tensor is not None
+        second = tree.run_cast(fetch, "cpu", torch.bfloat16)
+    assert launched == [[torch.float32]]
+    assert tree.shared.uses == 0 and tree.shared.tensor is None
+    assert torch.equal(bits(first), bits(second)) and first.dtype is torch.bfloat16
+
+
 def test_narrow_tensors_that_change_the_bits_are_not_used(programs_run_on_the_cpu, monkeypatch):
     entry = _Widened((torch.randn(256) * 3).to(torch.bfloat16))
     fetch = lambda e: e.wide  # noqa: E731
