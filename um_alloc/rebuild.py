@@ -100,15 +100,19 @@ class Source:
     cast: torch.dtype | None = None
 
     def read(self, fetch: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-        """The tensor, cast. An entry that made its tensor by widening a narrower one it still has
-        (the planner's copy made again from a linear's product) gives that one back for the cast:
-        the same bits, with no kernel (its `narrowed(dtype)`, None where it has none)."""
+        """The tensor, cast: where the entry has it in that dtype already, that one (narrowed)."""
         tensor = fetch(self.entry)
         if self.cast is None or tensor.dtype is self.cast:
             return tensor
-        narrowed = getattr(self.entry, "narrowed", None)
-        made = narrowed(self.cast) if narrowed is not None else None
+        made = self.narrowed(self.cast)
         return made if made is not None else tensor.to(self.cast)
+
+    def narrowed(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The entry's tensor in `dtype`, or None: an entry that made its tensor by widening one of
+        `dtype` it still has (the planner's copy made again from a linear's product) gives that one,
+        the same bits with no kernel, from its own `narrowed(dtype)`. Asked once the tensor is made."""
+        narrowed = getattr(self.entry, "narrowed", None)
+        return narrowed(dtype) if narrowed is not None else None
 
 
 @dataclass

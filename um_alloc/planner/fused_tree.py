@@ -351,11 +351,10 @@ def _narrow_leaf_values(call: Call, fetch, dtype: torch.dtype) -> list | None:
     for value in _tree_leaves(call):
         if not isinstance(value, (Source, Param, Call)) or _leaf_key(value) in found:
             continue
-        narrowed = getattr(value.entry, "narrowed", None) if isinstance(value, Source) else None
-        if narrowed is None:
+        if not isinstance(value, Source):
             return None
         fetch(value.entry)  # made, if it is made again
-        tensor = narrowed(dtype)
+        tensor = value.narrowed(dtype)
         if tensor is None:
             return None
         found[_leaf_key(value)] = tensor
