@@ -47,6 +47,10 @@ def test_a_gelu_written_as_elementwise_calls_is_rebuilt_and_gives_plain_training
     assert result["rebuilt_share"] > 0.4
     assert result["fused_places"] == 3 * 6  # tanh, 1 + tanh and the product: each one kernel
     assert result["product_places"] == 6    # pow's float32 copy of x, from the first linear's product
+    # Made with the copy by one kernel, in every block of every planned step: tanh, 1 + tanh, half
+    # x and the product, the kernel's bits compared once with each made by itself.
+    assert result["group_verdicts"] == [True] and result["group_members"] == [4]
+    assert result["group_launches"] >= 6
 
 
 def test_blocks_recomputed_as_one_node_give_plain_trainings_losses(cuda_device):

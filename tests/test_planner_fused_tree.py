@@ -74,7 +74,24 @@ def programs_run_on_the_cpu(monkeypatch):
     monkeypatch.setattr(fused_tree, "_NARROW_VERDICTS", {})
     monkeypatch.setattr(fused_tree.FusedTree, "_launch", lambda self, leaves: made.append(self) or
                         as_jiterator_writes(evaluate(self.program, [leaf.float() for leaf in leaves]), leaves))
+    monkeypatch.setattr(fused_tree, "_GROUP_VERDICTS", {})
     yield made
+
+
+@pytest.fixture
+def groups_run_on_the_cpu(programs_run_on_the_cpu, monkeypatch):
+    """A copy's group kernel as the CPU runs it: the copy widened, each member's program evaluated
+    on it and written in the member's dtype. Yields the members' calls of each launch."""
+    launched = []
+
+    def launch(group, code, name, narrow, outs, members):
+        launched.append([member.call for member, _ in members])
+        wide = narrow.float()
+        outs[0].copy_(wide)
+        for out, (member, _) in zip(outs[1:], members):
+            out.copy_(evaluate(member.program, [wide.view(out.shape)]))
+    monkeypatch.setattr(fused_tree.FusedGroup, "_launch", launch)
+    yield launched
 
 
 def as_jiterator_writes(out: torch.Tensor, leaves: list) -> torch.Tensor:
@@ -341,3 +358,104 @@ def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_fl
     # that the float32 copy widens, and writes bf16 itself; tanh's and 1 + t's write float32.
     assert sorted(map(str, leaves)) == sorted((["[torch.bfloat16]"] + ["[torch.float32]"] * 2) * 3 * 2)
     planner.remove()
+
+
+def test_a_planned_gpt2s_gelu_is_made_with_its_copy_in_one_kernel(pow_in_float32, groups_run_on_the_cpu,  # noqa: F811
+                                                                    monkeypatch):
+    """Each block's tanh, 1 + t, 0.5 * x and the product cast to bf16 read nothing but autocast's
+    float32 copy of x: one kernel makes them with the copy from the first linear's bf16 product,
+    backward takes each as it comes, and training is plain autograd's, bit for bit."""
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    planner = planned(model, ids_of(), autocast=True)
+    launched, trees_launched = len(groups_run_on_the_cpu), []
+    taken, take = [], fused_tree.FusedGroup.take
+    monkeypatch.setattr(fused_tree.FusedGroup, "take", lambda group, call, fetch, dtype: taken.append(
+        (call.func.__name__, take(group, call, fetch, dtype))) or taken[-1][1])
+    monkeypatch.setattr(fused_tree.FusedTree, "_wide", lambda tree, call, fetch: trees_launched.append(tree))
+    for seed in (3, 4):
+        loss = loss_of(model, ids_of(seed), autocast=True)
+        loss.backward()
+        expected = loss_of(plain, ids_of(seed), autocast=True)
+        expected.backward()
+        assert torch.equal(loss, expected)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    # One kernel a block and step, for four members, each taken once in the dtype its reader reads.
+    assert [len(calls) for calls in groups_run_on_the_cpu[launched:]] == [4] * 3 * 2
+    assert sorted(name for name, _ in taken) == sorted(["tanh", "add", "mul", "mul"] * 3 * 2)
+    assert all(made is not None for _, made in taken)
+    assert not trees_launched  # no tree ran as its own kernel
+    planner.remove()
+
+
+def test_a_group_kernel_that_differs_is_not_used(pow_in_float32, groups_run_on_the_cpu, monkeypatch):  # noqa: F811
+    """Compared with each member made by itself the first time, a kernel whose output differs is
+    never used: the members make their own, and training is still plain autograd's."""
+    launch = fused_tree.FusedGroup._launch
+
+    def off_by_one(group, code, name, narrow, outs, members):
+        launch(group, code, name, narrow, outs, members)
+        outs[-1].add_(1)
+    monkeypatch.setattr(fused_tree.FusedGroup, "_launch", off_by_one)
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    planner = planned(model, ids_of(), autocast=True)
+    loss = loss_of(model, ids_of(3), autocast=True)
+    loss.backward()
+    expected = loss_of(plain, ids_of(3), autocast=True)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert list(fused_tree._GROUP_VERDICTS.values()) == [False]
+    assert len(groups_run_on_the_cpu) == 1  # tried once, in the first block's backward
+    planner.remove()
+
+
+class _MadeOnce:
+    """An entry that makes its float32 copy once, through a group, as rebuilt.py's _MadeAgain does."""
+
+    def __init__(self, narrow: torch.Tensor):
+        self.narrow, self.wide = narrow, None
+        self.group = fused_tree.FusedGroup(self, "cpu")
+
+    def get(self) -> torch.Tensor:
+        if self.wide is None:
+            made = self.group.launch(self.narrow, torch.float32, lambda t: t)
+            self.wide = made if made is not None else self.narrow.float()
+        return self.wide
+
+
+def test_a_groups_outputs_are_taken_once_in_their_readers_dtype_and_dropped_when_unread(groups_run_on_the_cpu):
+    entry = _MadeOnce((torch.randn(512) * 3).to(torch.bfloat16))
+    alone, fetch = lambda e: e.narrow.float(), lambda e: e.get()  # noqa: E731 (made alone; through the group)
+    x, narrow = Source(entry), Source(entry, cast=torch.bfloat16)
+    tanh = call(torch.tanh, call(T.__rmul__, x, 0.8))
+    one_plus, half = call(T.__radd__, tanh, 1.0), call(T.__rmul__, narrow, 0.5)
+    product = call(T.__mul__, call(T.__rmul__, narrow, 0.5), call(T.__radd__, call(torch.tanh, x), 1.0))
+    for root in (tanh, one_plus, product):
+        root.fused = fused_tree.fuse(root, alone, "cpu")
+        assert root.fused is not None and fused_tree.only_source(root) is entry
+    with torch.no_grad():
+        eager = {name: c.run(alone, "cpu") for name, c in
+                 (("tanh", tanh), ("one_plus", one_plus), ("half", half), ("product", product))}
+    for root in (tanh, one_plus, half, product):
+        root.shared = None
+        count_reads(root)
+    entry.group.join(tanh, tanh.fused.program, torch.float32, tree=tanh.fused)
+    entry.group.join(one_plus, one_plus.fused.program, torch.float32, tree=one_plus.fused)
+    entry.group.join(half, fused_tree.single_program(half, torch.bfloat16), torch.bfloat16)
+    entry.group.join(product, product.fused.program, torch.float32, torch.bfloat16, product.fused)
+    code, _ = fused_tree._group_code(torch.bfloat16, torch.float32, [(m.program, d) for m, d in
+                                     ((m, m.wanted()) for m in entry.group.members)])
+    assert "const unsigned short* __restrict__ in0" in code and "float* __restrict__ out0" in code
+    assert code.count("unsigned short* __restrict__ out") == 2  # 0.5 * x, and the product cast to bf16
+    with torch.no_grad():
+        made = product.run_cast(fetch, "cpu", torch.bfloat16)  # the first read makes the copy, and the group
+        assert [len(c) for c in groups_run_on_the_cpu] == [4]
+        assert made.dtype is torch.bfloat16 and torch.equal(bits(made), bits(eager["product"].to(torch.bfloat16)))
+        assert torch.equal(bits(half.run(fetch, "cpu")), bits(eager["half"]))
+        assert torch.equal(bits(one_plus.run(fetch, "cpu")), bits(eager["one_plus"]))
+        assert entry.group.take(one_plus, fetch, None) is None  # taken once
+        tanh.skip()  # its one reader made its own: the output made ahead goes
+        assert not entry.group._made
+    assert list(fused_tree._GROUP_VERDICTS.values()) == [True]

@@ -142,6 +142,7 @@ class Call:
     shared: Shared | None = None   # where several rebuilds read its output: made once for them
     made: tuple = ()       # (autograd node, output number) of its output, while the recorder holds it
     fused: Any = None      # (call, fetch) -> its tree's output from one kernel, or None (the planner's)
+    ahead: Any = None      # a kernel that makes its output with others' and holds it until taken (the planner's)
 
     @property
     def inputs(self) -> list:
@@ -161,8 +162,9 @@ class Call:
         """Its output cast to `dtype`. Where this is its only read, a fused tree may write `dtype`
         itself (FusedTree), with no float32 output to cast."""
         shared = self.shared
-        if self.fused is not None and (shared is None or (shared.uses == 1 and shared.tensor is None)):
-            out = self.fused(self, fetch, dtype)
+        one_read = shared is None or (shared.uses == 1 and shared.tensor is None)
+        if (self.fused is not None or self.ahead is not None) and one_read:
+            out = self._fused(fetch, dtype)
             if out is not None:
                 if shared is not None:
                     shared.uses = 0
@@ -183,29 +185,41 @@ class Call:
 
     def skip(self) -> None:
         """One read fewer of its output: its reader made its own from the tree's leaves (fused).
-        Where nothing made it yet, its own reads are skipped too, as making it would take them."""
+        Its last read skipped with nothing made, it never will be: its own reads are skipped too,
+        as making it would have taken them. (A call skipped by one reader and made for another
+        takes them as it is made.)"""
         shared = self.shared
         if shared is None:
+            return
+        shared.uses -= 1
+        if shared.uses > 0:
             return
         if shared.tensor is None:
             for nested in self.nested():
                 nested.skip()
-        shared.uses -= 1
-        if shared.uses <= 0:
-            shared.tensor = None
+        shared.tensor = None
+        if self.ahead is not None:
+            self.ahead.drop(self)
 
     def _run(self, fetch, device_type: str) -> torch.Tensor:
-        if self.fused is not None:
-            out = self.fused(self, fetch)
-            if out is not None:
-                for nested in self.nested():
-                    nested.skip()
-                return out
+        out = self._fused(fetch, None)
+        if out is not None:
+            for nested in self.nested():
+                nested.skip()
+            return out
         args = [_value(a, fetch, device_type) for a in self.args]
         kwargs = {k: _value(v, fetch, device_type) for k, v in self.kwargs.items()}
         enabled, dtype = self.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             return self.func(*args, **kwargs)
+
+    def _fused(self, fetch, dtype: torch.dtype | None) -> torch.Tensor | None:
+        """Its output in `dtype` (None: its own) without running its calls one by one: made ahead
+        with others' (ahead), or by its tree's kernel (fused); None where neither gives it."""
+        out = self.ahead.take(self, fetch, dtype) if self.ahead is not None else None
+        if out is None and self.fused is not None:
+            out = self.fused(self, fetch, dtype)
+        return out
 
 
 @dataclass

@@ -28,6 +28,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS 
 import torch
 
 import um_alloc
+from um_alloc.planner import fused_tree
 from um_alloc.rebuild import MATMUL_FUNCTIONS
 
 MiB = 1 << 20
@@ -580,17 +581,30 @@ def rebuild_gpt2() -> dict:
     """A small GPT-2 (dropout 0.1, bf16 autocast), every block kept with its cheap saves rebuilt:
     its GELU is a chain of elementwise calls (transformers' NewGELUActivation), whose saves
     backward makes again from the first linear's output. The same losses as plain training, the
-    share of a block's saved bytes rebuilt, the places whose tree ran as one kernel, and those
-    made again from a linear's product (autocast's float32 copy of x, which pow saves)."""
-    losses, planner = side_by_side(small_gpt2, lambda data: torch.randint(0, 4096, (16, 256), generator=data),
-                                   decisions=["rebuild"])
+    share of a block's saved bytes rebuilt, the places whose tree ran as one kernel, those made
+    again from a linear's product (autocast's float32 copy of x, which pow saves), and the kernels
+    that made the copy with its readers' tensors (FusedGroup): their members, and their verdicts."""
+    groups, launch = [], fused_tree.FusedGroup.launch
+
+    def counted(group, narrow, wide_dtype, view):
+        made = launch(group, narrow, wide_dtype, view)
+        groups.append(len(group.members) if made is not None else 0)
+        return made
+    fused_tree.FusedGroup.launch = counted
+    try:
+        losses, planner = side_by_side(small_gpt2, lambda data: torch.randint(0, 4096, (16, 256), generator=data),
+                                       decisions=["rebuild"])
+    finally:
+        fused_tree.FusedGroup.launch = launch
     blocks = [u for u in planner.calibration.units if u.kind == "block"]
     recipes = next(iter(planner._shapes.values())).recipes
     return {**losses, "plan": made_plan(planner).counts(),
             "rebuilt_share": sum(u.rebuildable_bytes for u in blocks) / sum(u.saved_bytes for u in blocks),
             "fused_places": sum(len(unit.fused) for unit in recipes.values()),
             "product_places": sum(r.root == "call" and r.func in MATMUL_FUNCTIONS
-                                  for unit in recipes.values() for r in unit.places.values())}
+                                  for unit in recipes.values() for r in unit.places.values()),
+            "group_members": sorted(set(groups)), "group_launches": sum(n > 0 for n in groups),
+            "group_verdicts": list(fused_tree._GROUP_VERDICTS.values())}
 
 
 def large_batch() -> dict:

@@ -42,6 +42,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..rebuild import (CAST_NODE, EXACT_WIDENINGS, MAX_CHAIN, VIEW_NODES, Call, Held, Param, Recipe, Shared, Source,
                        _root_of, as_saved)
+from .fused_tree import FusedGroup, FusedTree, only_source, single_program
 
 __all__ = ["RebuiltSaves", "PlaceRecipe", "UnitRecipes"]
 
@@ -397,8 +398,11 @@ class _MadeAgain(_Kept):
     Where it is an exact widening of its recipe's root (the float32 copy of the bf16 product), the
     root stays with it too: a reader of the narrower tensor (0.5 * x, the GELU's bf16 product) takes
     that instead of casting the copy back, which on GPT-2-medium costs two passes over 128 MiB a
-    block."""
-    __slots__ = ("rebuilt", "_made", "_narrow")
+    block.
+
+    The recipes that read nothing else (the GELU's trees and 0.5 * x) join its group: one kernel
+    makes their outputs with the copy, from the root read once (fused_tree.FusedGroup)."""
+    __slots__ = ("rebuilt", "group", "_made", "_narrow")
 
     def __init__(self, tensor: torch.Tensor, unit: str, rebuilt: _Rebuilt):
         super().__init__(tensor, tensor._version, unit)
@@ -407,6 +411,7 @@ class _MadeAgain(_Kept):
         self.widened_from()
         self.tensor = None
         self.rebuilt, self._made, self._narrow = rebuilt, None, None
+        self.group = FusedGroup(self, rebuilt.device_type)
 
     def get(self) -> torch.Tensor:
         if self._made is None:
@@ -422,10 +427,27 @@ class _MadeAgain(_Kept):
     def _build_base(self) -> torch.Tensor:
         recipe = self.rebuilt.recipe
         root = recipe.build_root(_unchanged, self.rebuilt.device_type)
-        wide = recipe.cast_root(root)
-        if wide is not root and (root.dtype, wide.dtype) in EXACT_WIDENINGS and root.stride() == wide.stride():
+        exact = recipe.cast is not None and (root.dtype, recipe.cast) in EXACT_WIDENINGS
+        wide = self.group.launch(root, recipe.cast, recipe.shape) if exact and self.group.members else None
+        if wide is None:
+            wide = recipe.cast_root(root)
+        if exact and root.stride() == wide.stride():
             self._narrow = root
         return wide
+
+
+def _join_group(rebuild: Recipe, fused: FusedTree | None, dtype: torch.dtype) -> None:
+    """A recipe whose root reads nothing but a copy made again is made by the copy's group: a
+    fused tree, or one call the kernel can write whose output is the saved tensor (`dtype`)."""
+    entry = only_source(rebuild.root)
+    if not isinstance(entry, _MadeAgain):
+        return
+    if fused is not None:
+        entry.group.join(rebuild.root, fused.program, fused.dtype, rebuild.cast, fused)
+    elif rebuild.cast is None:
+        program = single_program(rebuild.root, dtype)
+        if program is not None:
+            entry.group.join(rebuild.root, program, dtype)
 
 
 def _unchanged(entry: _Kept) -> torch.Tensor:
@@ -526,6 +548,7 @@ class RebuiltSaves:
             self.bases += 1
             if isinstance(rebuild.root, Call):
                 count_reads(rebuild.root)  # built once for this base
+                _join_group(rebuild, fused, tensor.dtype)
         base.uses += 1
         self.rebuilt_bytes += tensor.nbytes
         rebuilt = _Rebuilt(rebuild, base, self._device_type)
