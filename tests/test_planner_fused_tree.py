@@ -8,7 +8,9 @@ float32 copies widen and writes bf16 itself, where that gives the bits of the fl
 
 The kernel itself needs CUDA's runtime compiler: tests/test_gpu_fused_tree.py runs it."""
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -81,11 +83,11 @@ def programs_run_on_the_cpu(monkeypatch):
 @pytest.fixture
 def groups_run_on_the_cpu(programs_run_on_the_cpu, monkeypatch):
     """A copy's group kernel as the CPU runs it: the copy widened, each member's program evaluated
-    on it and written in the member's dtype. Yields the members' calls of each launch."""
+    on it and written in the member's dtype. Yields the names of the members' calls, a list a launch."""
     launched = []
 
     def launch(group, code, name, narrow, outs, members):
-        launched.append([member.call for member, _ in members])
+        launched.append([member.call.func.__name__ for member, _ in members])
         wide = narrow.float()
         outs[0].copy_(wide)
         for out, (member, _) in zip(outs[1:], members):
@@ -373,13 +375,23 @@ def test_a_planned_gpt2s_gelu_is_made_with_its_copy_in_one_kernel(pow_in_float32
     monkeypatch.setattr(fused_tree.FusedGroup, "take", lambda group, call, fetch, dtype: taken.append(
         (call.func.__name__, take(group, call, fetch, dtype))) or taken[-1][1])
     monkeypatch.setattr(fused_tree.FusedTree, "_wide", lambda tree, call, fetch: trees_launched.append(tree))
-    for seed in (3, 4):
-        loss = loss_of(model, ids_of(seed), autocast=True)
-        loss.backward()
-        expected = loss_of(plain, ids_of(seed), autocast=True)
-        expected.backward()
-        assert torch.equal(loss, expected)
-        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    groups, init = [], fused_tree.FusedGroup.__init__
+    monkeypatch.setattr(fused_tree.FusedGroup, "__init__", lambda group, *args: groups.append(weakref.ref(group))
+                        or init(group, *args))
+    gc.disable()  # what refcounting alone frees
+    try:
+        for seed in (3, 4):
+            loss = loss_of(model, ids_of(seed), autocast=True)
+            loss.backward()
+            expected = loss_of(plain, ids_of(seed), autocast=True)
+            expected.backward()
+            assert torch.equal(loss, expected)
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+            del loss
+            # The groups, with the copies and their originals, go with the step's graph: no cycle.
+            assert len(groups) == 3 * (seed - 2) and not any(group() for group in groups)
+    finally:
+        gc.enable()
     # One kernel a block and step, for four members, each taken once in the dtype its reader reads.
     assert [len(calls) for calls in groups_run_on_the_cpu[launched:]] == [4] * 3 * 2
     assert sorted(name for name, _ in taken) == sorted(["tanh", "add", "mul", "mul"] * 3 * 2)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -405,16 +406,25 @@ MAX_GROUP_NUMEL = (1 << 31) - 1  # the kernel counts elements in a C int
 
 
 class _Member:
-    __slots__ = ("call", "program", "dtype", "cast", "tree")
+    """A call a group makes. It holds the call weakly: the call holds its group (Call.ahead), and
+    a cycle would keep both, with the copy and its original, until the cycle collector ran."""
+    __slots__ = ("_call", "program", "dtype", "cast", "tree")
 
     def __init__(self, call: Call, program: tuple, dtype: torch.dtype, cast: torch.dtype | None,
                  tree: FusedTree | None):
-        self.call, self.program, self.dtype, self.cast, self.tree = call, program, dtype, cast, tree
+        self._call, self.program, self.dtype, self.cast, self.tree = weakref.ref(call), program, dtype, cast, tree
+
+    @property
+    def call(self) -> Call | None:
+        return self._call()
 
     def wanted(self) -> torch.dtype | None:
         """The dtype its reader will take, None where nobody will (its output is made, or unread).
         A cast its recipe asks for is written where it is the call's only read (Call.run_cast)."""
-        shared = self.call.shared
+        call = self.call
+        if call is None:
+            return None
+        shared = call.shared
         if shared is not None and (shared.tensor is not None or shared.uses <= 0):
             return None
         if self.cast is not None and (shared is None or shared.uses == 1):
@@ -437,10 +447,11 @@ class _Member:
 class FusedGroup:
     """The calls of one unit call that read nothing but one copy made again (`entry`, rebuilt.py's
     _MadeAgain), made with the copy by one kernel that reads the copy's narrower original once.
-    The group holds each output until its call takes it (Call.ahead)."""
+    The group holds each output until its call takes it (Call.ahead). The entry and the calls hold
+    the group; it holds them weakly, so that all of it goes with the step's graph."""
 
     def __init__(self, entry, device_type: str):
-        self.entry, self.device_type = entry, device_type
+        self._entry, self.device_type = weakref.ref(entry), device_type
         self.members: list[_Member] = []
         self._made: dict[int, tuple] = {}  # id(call) -> (its output, the call's own dtype), until taken
         self._launched = False
@@ -485,8 +496,9 @@ class FusedGroup:
     def take(self, call: Call, fetch: Callable, dtype: torch.dtype | None) -> torch.Tensor | None:
         """`call`'s output made ahead, if it was, in `dtype` (None: the call's own dtype). Asking
         makes the copy, and with it the group's outputs, if nothing asked for the copy yet."""
-        if not self._launched:
-            fetch(self.entry)
+        entry = self._entry()
+        if not self._launched and entry is not None:
+            fetch(entry)
         made, own = self._made.pop(id(call), (None, None))
         return made if made is not None and made.dtype is (dtype or own) else None
 

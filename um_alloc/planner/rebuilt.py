@@ -402,7 +402,7 @@ class _MadeAgain(_Kept):
 
     The recipes that read nothing else (the GELU's trees and 0.5 * x) join its group: one kernel
     makes their outputs with the copy, from the root read once (fused_tree.FusedGroup)."""
-    __slots__ = ("rebuilt", "group", "_made", "_narrow")
+    __slots__ = ("rebuilt", "group", "_made", "_narrow", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, unit: str, rebuilt: _Rebuilt):
         super().__init__(tensor, tensor._version, unit)
