@@ -32,6 +32,7 @@ once it gave each member's bits and the copy's, compared the first time.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import struct
@@ -412,7 +413,8 @@ class _Member:
 
     def __init__(self, call: Call, program: tuple, dtype: torch.dtype, cast: torch.dtype | None,
                  tree: FusedTree | None):
-        self._call, self.program, self.dtype, self.cast, self.tree = weakref.ref(call), program, dtype, cast, tree
+        self._call, self.dtype, self.cast, self.tree = weakref.ref(call), dtype, cast, tree
+        self.program = (tuple(program[0]), program[1])  # hashable: the kernel's code is found by it
 
     @property
     def call(self) -> Call | None:
@@ -437,10 +439,12 @@ class _Member:
             if self.tree is not None:
                 made = self.tree._wide(self.call, fetch)
             else:
-                args = [_value(v, fetch, device_type) for v in self.call.args]
-                enabled, autocast_dtype = self.call.autocast
+                call = self.call
+                args = [_value(v, fetch, device_type) for v in call.args]
+                kwargs = {k: _value(v, fetch, device_type) for k, v in call.kwargs.items()}
+                enabled, autocast_dtype = call.autocast
                 with torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
-                    made = self.call.func(*args)
+                    made = call.func(*args, **kwargs)
         return made.to(dtype)
 
 
@@ -472,7 +476,7 @@ class FusedGroup:
         members = [(m, d) for m, d in members if d is not None]
         if not members or not self._fits(narrow, wide_dtype, view):
             return None
-        code, name = _group_code(narrow.dtype, wide_dtype, [(m.program, d) for m, d in members])
+        code, name = _group_code(narrow.dtype, wide_dtype, tuple((m.program, d) for m, d in members))
         key = (code, self.device_type)
         if _GROUP_VERDICTS.get(key) is False:
             return None
@@ -540,9 +544,10 @@ def _equal(made: torch.Tensor, expected: torch.Tensor) -> bool:
             and torch.equal(storage_bytes(made), storage_bytes(expected)))
 
 
-def _group_code(narrow: torch.dtype, wide: torch.dtype, programs: list) -> tuple[str, str]:
+@functools.lru_cache(maxsize=256)  # written once per kind of group, not at every block's backward
+def _group_code(narrow: torch.dtype, wide: torch.dtype, programs: tuple) -> tuple[str, str]:
     """A kernel reading `narrow` elements, writing each widened to `wide`, then each program's
-    result in its dtype: (code, name)."""
+    result in its dtype (`programs`: ((lines, result), dtype) each): (code, name)."""
     body = [f"        out0[i] = {_GROUP_STORE[wide].format('in0f')};\n"]
     for k, ((lines, result), dtype) in enumerate(programs, start=1):
         body.append("        {\n" + "".join(f"            float v{j} = {_c_of(line)};\n" for j, line in enumerate(lines))
