@@ -21,7 +21,7 @@ from um_alloc.planner.fused_tree import tree_program
 from um_alloc.planner.rebuilt import count_reads
 from um_alloc.rebuild import Call, Shared, Source
 from test_planner_rebuild import recipes_of
-from test_planner_rebuild_chains import ids_of, loss_of, planned, pow_in_float32, tiny_gpt2  # noqa: F401
+from test_planner_rebuild_chains import ids_of, loss_of, matches_plain, planned, pow_in_float32, tiny_gpt2  # noqa: F401
 
 T = torch.Tensor
 NO_AUTOCAST = (False, torch.bfloat16)
@@ -346,10 +346,7 @@ def test_a_planned_gpt2_with_fused_gelu_trees_trains_as_plain_autograd(pow_in_fl
     for seed in (3, 4):
         loss = loss_of(model, ids_of(seed), autocast=True)
         loss.backward()
-        expected = loss_of(plain, ids_of(seed), autocast=True)
-        expected.backward()
-        assert torch.equal(loss, expected)
-        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+        matches_plain(loss, model, plain, seed)
     # Per block and step: two roots run (tanh's, 1 + t's) and 0.5 * x, a single call, with the
     # LayerNorms, and x made again (the linear's product of the second LayerNorm's output, viewed
     # as a matrix); the product's root, cast, is its kernel alone (Call.run_cast). No call inside a
@@ -383,10 +380,7 @@ def test_a_planned_gpt2s_gelu_is_made_with_its_copy_in_one_kernel(pow_in_float32
         for seed in (3, 4):
             loss = loss_of(model, ids_of(seed), autocast=True)
             loss.backward()
-            expected = loss_of(plain, ids_of(seed), autocast=True)
-            expected.backward()
-            assert torch.equal(loss, expected)
-            assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+            matches_plain(loss, model, plain, seed)
             del loss
             # The groups and the copies made again (with their originals) go with the step's
             # graph: no cycle that only the cycle collector would free.
@@ -415,10 +409,7 @@ def test_a_group_kernel_that_differs_is_not_used(pow_in_float32, groups_run_on_t
     planner = planned(model, ids_of(), autocast=True)
     loss = loss_of(model, ids_of(3), autocast=True)
     loss.backward()
-    expected = loss_of(plain, ids_of(3), autocast=True)
-    expected.backward()
-    assert torch.equal(loss, expected)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    matches_plain(loss, model, plain, 3)
     assert list(fused_tree._GROUP_VERDICTS.values()) == [False]
     assert len(groups_run_on_the_cpu) == 1  # tried once, in the first block's backward
     planner.remove()

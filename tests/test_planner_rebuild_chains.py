@@ -43,6 +43,15 @@ def ids_of(seed=2):
     return torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(seed))
 
 
+def matches_plain(loss, model, plain, seed: int, autocast: bool = True) -> None:
+    """`loss`, the planned model's on ids_of(seed) with its backward run, and the model's gradients
+    are plain autograd's on the same tokens, bit for bit."""
+    expected = loss_of(plain, ids_of(seed), autocast)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 def gelu_places(unit) -> dict:
     return {p: r for p, r in unit.places.items() if r.root == "call" and r.node in GELU_NODES}
 
@@ -63,10 +72,7 @@ def test_gpt2s_gelu_rebuilds_and_trains_as_plain_autograd_does(monkeypatch, dtyp
     for seed in (3, 4):  # two planned steps, other tokens
         loss = loss_of(model, ids_of(seed), autocast)
         loss.backward()
-        expected = loss_of(plain, ids_of(seed), autocast)
-        expected.backward()
-        assert torch.equal(loss, expected)
-        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+        matches_plain(loss, model, plain, seed, autocast)
     assert counter.rebuilt >= 2 * 3 * 4
     planner.remove()
 
@@ -98,10 +104,7 @@ def test_a_gelu_whose_pow_saves_a_float32_copy_rebuilds_from_it(monkeypatch, pow
     counter = PackCounter(monkeypatch)
     loss = loss_of(model, ids_of(3), autocast=True)
     loss.backward()
-    expected = loss_of(plain, ids_of(3), autocast=True)
-    expected.backward()
-    assert torch.equal(loss, expected)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    matches_plain(loss, model, plain, 3)
     assert counter.rebuilt >= 3 * 4
     planner.remove()
 
@@ -127,10 +130,7 @@ def test_pows_float32_copy_is_made_again_from_the_linears_product(monkeypatch, p
     assert len(made) == 3 and all(entry.tensor is None for entry in made)  # one a block, nothing held
     loss.backward()
     assert len(narrowed) >= 3 and all(t.dtype is torch.bfloat16 for t in narrowed)
-    expected = loss_of(plain, ids_of(3), autocast=True)
-    expected.backward()
-    assert torch.equal(loss, expected)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    matches_plain(loss, model, plain, 3)
     planner.remove()
 
 

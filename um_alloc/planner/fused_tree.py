@@ -530,8 +530,8 @@ class FusedGroup:
         fetch = lambda entry: view(copy)  # noqa: E731 (members read only the copy)
         same = _equal(wide, copy) and all(_equal(out, m.reference(fetch, self.device_type, d))
                                           for out, (m, d) in zip(outs, members))
-        log.info("planner: %d rebuilt tensors of one copy %s", len(members),
-                 "are made with it in one kernel" if same else "are made each by itself: one kernel did not give their bits")
+        log.info("planner: %d rebuilt tensors of one copy %s", len(members), "are made with it in one kernel"
+                 if same else "are made each by itself: one kernel did not give their bits")
         return same
 
 
@@ -550,8 +550,9 @@ def _group_code(narrow: torch.dtype, wide: torch.dtype, programs: tuple) -> tupl
     result in its dtype (`programs`: ((lines, result), dtype) each): (code, name)."""
     body = [f"        out0[i] = {_GROUP_STORE[wide].format('in0f')};\n"]
     for k, ((lines, result), dtype) in enumerate(programs, start=1):
-        body.append("        {\n" + "".join(f"            float v{j} = {_c_of(line)};\n" for j, line in enumerate(lines))
-                    + f"            out{k}[i] = {_GROUP_STORE[dtype].format(_c_of(result))};\n        }}\n")
+        values = "".join(f"            float v{j} = {_c_of(line)};\n" for j, line in enumerate(lines))
+        store = _GROUP_STORE[dtype].format(_c_of(result))
+        body.append(f"        {{\n{values}            out{k}[i] = {store};\n        }}\n")
     text = "".join(body)
     name = f"um_alloc_group_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
     outs = [wide, *(dtype for _, dtype in programs)]
