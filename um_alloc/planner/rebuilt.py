@@ -258,6 +258,9 @@ class UnitRecipes:
     places: dict = field(default_factory=dict)   # place -> PlaceRecipe
     autocast: tuple = ()
     fused: dict = field(default_factory=dict)    # place -> the FusedTree its root's tree runs as
+    # place -> (slot of the copy made again, (program, dtype)) of a recipe its copy's group makes,
+    # or None for one it cannot: found by replay in the first step that makes the copy again.
+    members: dict = field(default_factory=dict, repr=False, compare=False)
     _read: tuple = field(default=(None, frozenset(), frozenset()), init=False, repr=False, compare=False)
 
     @property
@@ -404,14 +407,14 @@ class _MadeAgain(_Kept):
     makes their outputs with the copy, from the root read once (fused_tree.FusedGroup)."""
     __slots__ = ("rebuilt", "group", "_made", "_narrow", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, unit: str, rebuilt: _Rebuilt):
-        super().__init__(tensor, tensor._version, unit)
+    def __init__(self, tensor: torch.Tensor, unit: str, rebuilt: _Rebuilt, slot: Slot | None = None):
+        super().__init__(tensor, tensor._version, unit, slot)
         # What replay checks of it, found while the tensor is here: it is not held past forward.
         self.edge()
         self.widened_from()
         self.tensor = None
         self.rebuilt, self._made, self._narrow = rebuilt, None, None
-        self.group = FusedGroup(self, rebuilt.device_type)
+        self.group: FusedGroup | None = None  # made when a first recipe joins it
 
     def get(self) -> torch.Tensor:
         if self._made is None:
@@ -428,7 +431,7 @@ class _MadeAgain(_Kept):
         recipe = self.rebuilt.recipe
         root = recipe.build_root(_unchanged, self.rebuilt.device_type)
         exact = recipe.cast is not None and (root.dtype, recipe.cast) in EXACT_WIDENINGS
-        wide = self.group.launch(root, recipe.cast, recipe.shape) if exact and self.group.members else None
+        wide = self.group.launch(root, recipe.cast, recipe.shape) if exact and self.group is not None else None
         if wide is None:
             wide = recipe.cast_root(root)
         if exact and root.stride() == wide.stride():
@@ -436,18 +439,21 @@ class _MadeAgain(_Kept):
         return wide
 
 
-def _join_group(rebuild: Recipe, fused: FusedTree | None, dtype: torch.dtype) -> None:
-    """A recipe whose root reads nothing but a copy made again is made by the copy's group: a
-    fused tree, or one call the kernel can write whose output is the saved tensor (`dtype`)."""
-    entry = only_source(rebuild.root)
-    if not isinstance(entry, _MadeAgain):
-        return
+    def join(self, call: Call, member: tuple, cast: torch.dtype | None, fused: FusedTree | None) -> None:
+        """`call` (`member`: its program and dtype, _group_member's) is made by this copy's group."""
+        if self.group is None:
+            self.group = FusedGroup(self, self.rebuilt.device_type)
+        self.group.join(call, *member, cast, fused)
+
+
+def _group_member(rebuild: Recipe, fused: FusedTree | None, dtype: torch.dtype) -> tuple | None:
+    """(program, dtype) of a recipe whose root reads nothing but a copy made again, by which the
+    copy's group makes it: a fused tree, or one call the kernel can write whose output is the saved
+    tensor (`dtype`); None for any other."""
     if fused is not None:
-        entry.group.join(rebuild.root, fused.program, fused.dtype, rebuild.cast, fused)
-    elif rebuild.cast is None:
-        program = single_program(rebuild.root, dtype)
-        if program is not None:
-            entry.group.join(rebuild.root, program, dtype)
+        return fused.program, fused.dtype
+    program = single_program(rebuild.root, dtype) if rebuild.cast is None else None
+    return (program, dtype) if program is not None else None
 
 
 def _unchanged(entry: _Kept) -> torch.Tensor:
@@ -548,14 +554,34 @@ class RebuiltSaves:
             self.bases += 1
             if isinstance(rebuild.root, Call):
                 count_reads(rebuild.root)  # built once for this base
-                _join_group(rebuild, fused, tensor.dtype)
+                self._join_group(place, rebuild, fused, tensor.dtype)
         base.uses += 1
         self.rebuilt_bytes += tensor.nbytes
         rebuilt = _Rebuilt(rebuild, base, self._device_type)
         if place in self._held_places:  # other recipes read it: made once for them and for itself
-            made = self._held[Slot("save", place)] = _MadeAgain(tensor, self._unit, rebuilt)
+            made = self._held[Slot("save", place)] = _MadeAgain(tensor, self._unit, rebuilt, Slot("save", place))
             return made
         return rebuilt
+
+
+    def _join_group(self, place: int, rebuild: Recipe, fused: FusedTree | None, dtype: torch.dtype) -> None:
+        """Where the recipe at `place` reads nothing but a copy made again, the copy's group makes
+        it. Whether it does, the copy's slot and the program are found in the first step that
+        makes the copy again (a Python walk of the tree, 40 us a recipe) and kept with the unit's
+        recipes for the steps after."""
+        members = self._recipes.members
+        found = members.get(place, _NOT_LOOKED)
+        if found is _NOT_LOOKED:
+            entry = only_source(rebuild.root)
+            if not isinstance(entry, _MadeAgain):
+                return  # looked at again in a step that makes the copy again
+            member = _group_member(rebuild, fused, dtype)
+            found = members[place] = (entry.slot, member) if member is not None else None
+        if found is not None:
+            slot, member = found
+            entry = self._held.get(slot)
+            if isinstance(entry, _MadeAgain):
+                entry.join(rebuild.root, member, rebuild.cast, fused)
 
 
 def _unpack(packed):
