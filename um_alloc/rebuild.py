@@ -202,11 +202,16 @@ class Call:
             self.ahead.drop(self)
 
     def _run(self, fetch, device_type: str) -> torch.Tensor:
-        out = self._fused(fetch, None)
-        if out is not None:
-            for nested in self.nested():
-                nested.skip()
-            return out
+        if self.fused is not None or self.ahead is not None:
+            out = self._fused(fetch, None)
+            if out is not None:
+                for nested in self.nested():
+                    nested.skip()
+                return out
+        return self.eager(fetch, device_type)
+
+    def eager(self, fetch, device_type: str) -> torch.Tensor:
+        """Its function run on its inputs (each made again), under the autocast state forward ran it in."""
         args = [_value(a, fetch, device_type) for a in self.args]
         kwargs = {k: _value(v, fetch, device_type) for k, v in self.kwargs.items()}
         enabled, dtype = self.autocast

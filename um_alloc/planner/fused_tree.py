@@ -140,8 +140,7 @@ class FusedTree:
         if key not in _NARROW_VERDICTS:
             wide, made = self._wide(call, fetch), self._launch(narrow)
             wide = wide if wide is None else wide.to(dtype)
-            same = (wide is not None and made.dtype == wide.dtype and made.shape == wide.shape
-                    and made.stride() == wide.stride() and torch.equal(storage_bytes(made), storage_bytes(wide)))
+            same = wide is not None and _equal(made, wide)
             log.info("planner: a rebuild's tree (%s) %s", self.name, f"writes {dtype} itself" if same else
                      f"writes float32, then a cast: given {dtype} tensors, it did not give the same bits")
             _NARROW_VERDICTS[key] = same
@@ -183,8 +182,7 @@ def _same_bits(tree: FusedTree, call: Call, fetch, eager: torch.Tensor) -> bool:
         log.info("planner: a rebuild's tree of %d calls did not run as one kernel (%s: %s); it runs eagerly",
                  _count(call), type(error).__name__, error)
         return False
-    same = (made is not None and made.dtype == eager.dtype and made.shape == eager.shape
-            and made.stride() == eager.stride() and torch.equal(storage_bytes(made), storage_bytes(eager)))
+    same = made is not None and _equal(made, eager)
     log.info("planner: a rebuild's tree of %d calls (%s) %s", _count(call), tree.name,
              "runs as one kernel" if same else "runs eagerly: one kernel did not give its bits")
     return same
@@ -439,12 +437,7 @@ class _Member:
             if self.tree is not None:
                 made = self.tree._wide(self.call, fetch)
             else:
-                call = self.call
-                args = [_value(v, fetch, device_type) for v in call.args]
-                kwargs = {k: _value(v, fetch, device_type) for k, v in call.kwargs.items()}
-                enabled, autocast_dtype = call.autocast
-                with torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
-                    made = call.func(*args, **kwargs)
+                made = self.call.eager(fetch, device_type)
         return made.to(dtype)
 
 
@@ -540,6 +533,7 @@ _GROUP_VERDICTS: dict[tuple, bool] = {}    # (code, device type) -> whether it g
 
 
 def _equal(made: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The same dtype, shape, strides and bytes: what a kernel must give to stand in for another."""
     return (made.dtype == expected.dtype and made.shape == expected.shape and made.stride() == expected.stride()
             and torch.equal(storage_bytes(made), storage_bytes(expected)))
 

@@ -438,7 +438,6 @@ class _MadeAgain(_Kept):
             self._narrow = root
         return wide
 
-
     def join(self, call: Call, member: tuple, cast: torch.dtype | None, fused: FusedTree | None) -> None:
         """`call` (`member`: its program and dtype, _group_member's) is made by this copy's group."""
         if self.group is None:
@@ -562,7 +561,6 @@ class RebuiltSaves:
             made = self._held[Slot("save", place)] = _MadeAgain(tensor, self._unit, rebuilt, Slot("save", place))
             return made
         return rebuilt
-
 
     def _join_group(self, place: int, rebuild: Recipe, fused: FusedTree | None, dtype: torch.dtype) -> None:
         """Where the recipe at `place` reads nothing but a copy made again, the copy's group makes
