@@ -45,11 +45,12 @@ def test_each_distinct_call_runs_by_itself_and_its_twins_share_its_times():
     assert [b.calls for b in twins] == [TIMED_RUNS, 0, 0] and other.calls == TIMED_RUNS
     assert sorted(timed) == [0, 1, 2, 3]
     assert timed[0] == timed[1] == timed[2] and timed[0].forward_s > 0 and timed[0].backward_s > 0
+    assert 0 < timed[0].forward_cpu_s <= timed[0].forward_s  # on the CPU the host's clock is the device's
     assert calls.time() == {}  # what was noted is timed once
 
 
 def test_a_unit_called_twice_sums_its_calls_and_one_failed_call_leaves_it_out(monkeypatch):
-    runs = iter([AloneTime(1.0, 2.0), None])
+    runs = iter([AloneTime(1.0, 2.0, 0.5), None])
     monkeypatch.setattr(AloneCalls, "_timed", lambda self, call: next(runs))
     calls = _calls()
     shared, other = Counted(8), Counted(16)
@@ -57,7 +58,7 @@ def test_a_unit_called_twice_sums_its_calls_and_one_failed_call_leaves_it_out(mo
     _note(calls, 0, shared, torch.randn(4, 8))     # the same shapes: one run
     _note(calls, 1, shared, torch.randn(4, 8))
     _note(calls, 1, other, torch.randn(4, 16))     # a second distinct call, which fails
-    assert calls.time() == {0: AloneTime(2.0, 4.0)}
+    assert calls.time() == {0: AloneTime(2.0, 4.0, 1.0)}
 
 
 def test_running_by_itself_leaves_buffers_gradients_and_the_rng_as_they_were():
@@ -171,9 +172,10 @@ def test_the_planner_times_its_units_by_themselves_and_trains_as_plain_autograd_
         planned_losses, planner = _losses(planned, 4, planned=True)
     assert planned_losses == losses
     units = {u.name: u for u in planner.calibration.units}
-    assert all(units[name].alone_forward_s > 0 and units[name].alone_backward_s > 0
-               for name in ("embed", "act", "layers.0", "layers.1", "layers.2", "head"))
-    assert units["picky"].alone_forward_s == units["picky"].alone_backward_s == 0
+    timed = ("embed", "act", "layers.0", "layers.1", "layers.2", "head")
+    assert all(units[name].alone_forward_s > 0 and units[name].alone_backward_s > 0 for name in timed)
+    assert all(units[name].alone_forward_cpu_s > 0 for name in timed)
+    assert units["picky"].alone_forward_s == units["picky"].alone_backward_s == units["picky"].alone_forward_cpu_s == 0
     assert "picky did not run by itself (CUDA out of memory. Tried to allocate 1 TiB)" in caplog.text
     assert units["(outside the units)"].alone_forward_s == 0  # no module's call: not run by itself
     planner.remove()

@@ -288,6 +288,21 @@ def test_a_rebuild_costs_the_hosts_time_of_finding_it_in_forward_and_the_gpus_in
     assert plan.predicted_step_s < make_plan(cal, 11 * GiB).predicted_step_s
 
 
+def test_a_rebuilds_checks_in_forward_cost_only_what_the_gpu_leaves_the_host_to_spare():
+    # GPT-2-medium on one H200: a block's kept forward issued in 1.0 ms of the host's time, done by
+    # the GPU 1.7 ms after it began; the checks take the host 0.4 ms, the rebuilds the GPU 0.44 ms.
+    found = dict(rebuildable_bytes=64 * MiB, rebuild_s=0.44e-3, rebuild_forward_cpu_s=0.4e-3)
+    roomy = UnitCost("layer", "block", forward_s=2.2e-3, recompute_s=1.4e-3, alone_forward_s=1.7e-3,
+                     alone_forward_cpu_s=1.0e-3, **found)
+    assert roomy.cost_s(Decision.REBUILD) == pytest.approx(0.44e-3)
+    tight = replace(roomy, alone_forward_cpu_s=1.5e-3)  # 0.2 ms to spare: the other 0.2 land
+    assert tight.cost_s(Decision.REBUILD) == pytest.approx(0.2e-3 + 0.44e-3)
+    host_bound = replace(roomy, alone_forward_cpu_s=1.9e-3)
+    assert host_bound.cost_s(Decision.REBUILD) == pytest.approx(0.4e-3 + 0.44e-3)
+    unread = replace(roomy, alone_forward_cpu_s=0.0)  # a calibration that did not read the host's clock
+    assert unread.cost_s(Decision.REBUILD) == pytest.approx(0.4e-3 + 0.44e-3)
+
+
 def test_twin_blocks_share_the_median_of_their_times_and_others_keep_their_own():
     cal = transformer(blocks=5)
     hiccup = [replace(u, recompute_cpu_s=10e-3 if u.name == "layer.2" else 1e-3) for u in cal.units]

@@ -21,6 +21,7 @@ and the base prices that unit from the safe step as before.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,12 +41,15 @@ TIMED_RUNS = 2  # the first run of a shape may pick kernels (cudnn.benchmark) an
 @dataclass(frozen=True)
 class AloneTime:
     """One unit call run by itself: its forward and its backward on the GPU's clock (the host's on
-    the CPU), each from when the host began issuing it to when the GPU was done with it."""
+    the CPU), each from when the host began issuing it to when the GPU was done with it, and the
+    host's time of issuing the forward (what a rebuild's checks add to lands beyond the GPU's)."""
     forward_s: float
     backward_s: float
+    forward_cpu_s: float = 0.0
 
     def __add__(self, other: "AloneTime") -> "AloneTime":
-        return AloneTime(self.forward_s + other.forward_s, self.backward_s + other.backward_s)
+        return AloneTime(self.forward_s + other.forward_s, self.backward_s + other.backward_s,
+                         self.forward_cpu_s + other.forward_cpu_s)
 
 
 @dataclass(frozen=True)
@@ -128,8 +132,8 @@ class AloneCalls:
                 for _ in range(TIMED_RUNS):
                     marks = self._run(call)
                     self._synchronize()
-            start, forward, backward = marks
-            return AloneTime(self._seconds(start, forward), self._seconds(forward, backward))
+            start, forward, backward, issued_s = marks
+            return AloneTime(self._seconds(start, forward), self._seconds(forward, backward), issued_s)
         except Exception as error:  # noqa: BLE001 (a probe: the unit is priced from the safe step)
             log.info("planner: %s did not run by itself (%s); the base prices it from the safe step",
                      call.name, str(error).splitlines()[0][:200])
@@ -138,17 +142,20 @@ class AloneCalls:
             type(call.buffers).put_back(kept)
 
     def _run(self, call: _Call) -> tuple:
-        """The call's forward and backward; the marks before, between and after them."""
+        """The call's forward and backward; the marks before, between and after them, and the
+        host's time of issuing the forward."""
         args, kwargs, differentiated = call.arguments()
         start = self._clock()
+        began = time.perf_counter()
         out = call.forward(*args, **kwargs)
+        issued_s = time.perf_counter() - began
         forward = self._clock()
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         wrt = differentiated + call.parameters
         if not outputs or not wrt:  # a backward not run would price the unit's as free
             raise ValueError("none of its outputs seen needs a gradient from its inputs or parameters")
         torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
-        return start, forward, self._clock()
+        return start, forward, self._clock(), issued_s
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -463,7 +463,8 @@ class BlockPlanner:
         self._ooms = self._probe.out_of_memory_count()  # one that did not fit is not the next step's
         units = list(cal.units)
         for j, alone in timed.items():
-            units[j] = replace(units[j], alone_forward_s=alone.forward_s, alone_backward_s=alone.backward_s)
+            units[j] = replace(units[j], alone_forward_s=alone.forward_s, alone_backward_s=alone.backward_s,
+                               alone_forward_cpu_s=alone.forward_cpu_s)
         return replace(cal, units=tuple(units))
 
     def _probed_link(self) -> float:
@@ -779,7 +780,7 @@ def planner_of(model: nn.Module) -> BlockPlanner | None:
 # Measured in the first calibration step only (it runs the probes, which slow it down); the time
 # and the bytes of everything else come from the second.
 _FIRST_STEP_FIGURES = ("selective_bytes", "matmul_s", "rebuildable_bytes", "rebuild_s", "rebuild_cpu_s",
-                       "rebuild_forward_cpu_s", "alone_forward_s", "alone_backward_s")
+                       "rebuild_forward_cpu_s", "alone_forward_s", "alone_backward_s", "alone_forward_cpu_s")
 # A gap's rerun, which only the probed step times (chain.py): the safe step moves gaps.
 _FIRST_STEP_GAP_FIGURES = ("recompute_s", "recompute_cpu_s", "input_bytes")
 

@@ -111,6 +111,7 @@ class UnitCost:
     changes_input: bool = False  # its forward changed its argument in place (an in-place ReLU)
     alone_forward_s: float = 0.0   # its forward run by itself after the probed step (alone.py); 0: not run
     alone_backward_s: float = 0.0  # and its backward
+    alone_forward_cpu_s: float = 0.0  # the host's time of issuing that forward; 0: not read
 
     @property
     def backward_reaches(self) -> bool:
@@ -172,15 +173,32 @@ class UnitCost:
 
     def rebuild_added_s(self) -> float:
         """What rebuilding adds to a step: the host's time of finding, at each save in forward,
-        whether a recipe stands in for it, and the rebuilds' GPU time in backward. The first lands
-        whole in a loop that waits for each step's result (a loss read with .item(), Hugging Face
-        Trainer's check of the loss for nan, a progress bar): the host cannot run ahead. The
-        rebuilds' host time hides: a kept unit's backward runs no Python but theirs, and leaves the
-        host ahead of the GPU, unlike the safe step's recomputed backward that backward_cpu_s
-        measures. On an H100 (bench/decision_costs.py --sync), BERT-Large with every block rebuilt
-        took 0.55 ms a block more than kept (predicted 0.71; the forward's checks took the host
-        0.36 ms a block, the rebuilds' kernels 0.35)."""
-        return self.rebuild_forward_cpu_s + self.rebuild_s
+        whether a recipe stands in for it, and the rebuilds' GPU time in backward.
+
+        The first lands on the step only beyond what the host has to spare in the unit's kept
+        forward: in a loop that waits for each step's result (a loss read with .item(), Hugging
+        Face Trainer's check of the loss for nan, a progress bar) the host cannot run ahead of
+        the step, but within it a forward the GPU takes longer over than the host leaves the
+        host ahead. On one H200 (bench/results/host_pace), GPT-2-medium with every block rebuilt
+        took the host 37 ms of forward against the GPU's 49, and the step 0.46 ms a block more
+        than kept, the rebuilds' kernels alone. BERT-Large on another H200 took the host 41.6 ms
+        against 35.3 kept, and 10 ms more of forward.
+
+        The rebuilds' host time in backward hides: a kept unit's backward runs no Python but
+        theirs, and leaves the host ahead of the GPU, unlike the safe step's recomputed backward
+        that backward_cpu_s measures."""
+        return self.added_to_forward_s(self.rebuild_forward_cpu_s) + self.rebuild_s
+
+    def added_to_forward_s(self, cpu_s: float) -> float:
+        """What `cpu_s` more of the host's time adds to this unit's kept forward: its time on the
+        slower clock, less what that clock already spent, as the unit run by itself measured both
+        (alone.py: the GPU's from when the host began issuing it). All of it where that run did
+        not read the host's clock: the safe step's forward runs checkpoint's hooks and the
+        recorder's, whose host time a kept forward does not have."""
+        host, gpu = self.alone_forward_cpu_s, self.alone_forward_s
+        if host <= 0 or gpu <= 0:
+            return cpu_s
+        return max(host + cpu_s, gpu) - max(host, gpu)
 
     def rerun_s(self, gpu_s: float) -> float:
         """What a recomputation adds to its unit's backward. The GPU runs the forward again, and the
@@ -707,7 +725,7 @@ def _backtrack(options, picks, f, r, c, unit_bytes, link_unit_bytes) -> list[int
 # What a unit's computation takes, as against where it sits in the step (hide_s) or what it holds.
 COMPUTE_FIGURES = ("forward_s", "recompute_s", "matmul_s", "forward_cpu_s", "recompute_cpu_s", "backward_s",
                    "backward_cpu_s", "rebuild_s", "rebuild_cpu_s", "rebuild_forward_cpu_s", "alone_forward_s",
-                   "alone_backward_s")
+                   "alone_backward_s", "alone_forward_cpu_s")
 
 
 def pool_repeats(cal: Calibration, groups: list) -> Calibration:
