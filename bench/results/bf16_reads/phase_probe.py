@@ -2,11 +2,15 @@
 
     python bench/results/bf16_reads/phase_probe.py 40GiB keep,rebuild,recompute,rebuild+hooks
     PROFILE=1 python bench/results/bf16_reads/phase_probe.py 40GiB keep,rebuild   # and the kernels both ways
+    CPROFILE=1 python bench/results/bf16_reads/phase_probe.py 40GiB keep,rebuild,rebuild+hooks  # and the hooks' Python
 
 The script that made phases_*.json and kernels_*.json here; bench/decision_costs.py --model gpt2
 --host-lead MS measures the same phases from the repository's own tools. "+hooks" also sums the
-host's time in the rebuild's pack and unpack hooks. Writes $OUT/hostprobe_$TAG.json."""
-import json, os, statistics, sys, time
+host's time in the rebuild's pack and unpack hooks, and counts their calls. With CPROFILE set, five
+more steps every block rebuilt run with each hook call under cProfile (on whichever thread autograd
+calls it from), written as $OUT/cprofile_$TAG_{pack,unpack}_{tottime,cumulative}.txt. Writes
+$OUT/hostprobe_$TAG.json."""
+import cProfile, io, json, os, pstats, statistics, sys, time
 import torch
 import um_alloc
 from um_alloc.sizes import parse_size
@@ -21,13 +25,18 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 um_alloc.tag_training(model, opt)
 planner = planning.plan(model, budget, strategy="auto", lean_loss=True)
 ids = torch.randint(0, 50257, (8, 1024), generator=torch.Generator().manual_seed(0)).pin_memory()
-acc = {"pack": 0, "unpack": 0}
+acc = {"pack": 0, "unpack": 0, "packs": 0, "unpacks": 0}
+profs = {}
 P, U = rebuilt.RebuiltSaves._pack, rebuilt._unpack
 ns = time.perf_counter_ns
 def pack(self, t):
-    a = ns(); r = P(self, t); acc["pack"] += ns() - a; return r
+    a = ns(); r = P(self, t); acc["pack"] += ns() - a; acc["packs"] += 1; return r
 def unpack(p):
-    a = ns(); r = U(p); acc["unpack"] += ns() - a; return r
+    a = ns(); r = U(p); acc["unpack"] += ns() - a; acc["unpacks"] += 1; return r
+def profiled_pack(self, t):
+    profs["pack"].enable(); r = P(self, t); profs["pack"].disable(); return r
+def profiled_unpack(p):
+    profs["unpack"].enable(); r = U(p); profs["unpack"].disable(); return r
 def step():
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     t0 = time.perf_counter(); ev[0].record()
@@ -53,13 +62,14 @@ for phase in phases:
     if instr:
         rebuilt.RebuiltSaves._pack, rebuilt._unpack = pack, unpack
     step(); step()
-    acc.update(pack=0, unpack=0)
+    acc.update(pack=0, unpack=0, packs=0, unpacks=0)
     rows = [step() for _ in range(10)]
     rebuilt.RebuiltSaves._pack, rebuilt._unpack = P, U
     med = {k: round(1e3 * statistics.median(r[k] for r in rows), 2) for k in rows[0]}
     med["min_step"] = round(1e3 * min(r["step"] for r in rows), 2)
     if instr:
-        med.update(pack_ms=round(acc["pack"] / 10 / 1e6, 2), unpack_ms=round(acc["unpack"] / 10 / 1e6, 2))
+        med.update(pack_ms=round(acc["pack"] / 10 / 1e6, 2), unpack_ms=round(acc["unpack"] / 10 / 1e6, 2),
+                   packs=acc["packs"] // 10, unpacks=acc["unpacks"] // 10)
     med["phase"] = phase
     out.append(med); print(json.dumps(med), flush=True)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"hostprobe_{os.environ.get('TAG', 'x')}.json"), "w"))
@@ -81,3 +91,16 @@ if os.environ.get("PROFILE"):
     for d, n, k in diff[:30]:
         print(f"{d:8.3f} ms {n:+5d}  {k}")
     json.dump(tables, open(os.path.join(os.environ.get("OUT", "."), "kernels.json"), "w"))
+
+if os.environ.get("CPROFILE"):
+    planner.force("rebuild"); step(); step()
+    profs.update(pack=cProfile.Profile(), unpack=cProfile.Profile())
+    rebuilt.RebuiltSaves._pack, rebuilt._unpack = profiled_pack, profiled_unpack
+    for _ in range(5):
+        step()
+    rebuilt.RebuiltSaves._pack, rebuilt._unpack = P, U
+    for name, prof in profs.items():
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO(); pstats.Stats(prof, stream=text).sort_stats(key).print_stats(35)
+            open(os.path.join(os.environ.get("OUT", "."), f"cprofile_{os.environ.get('TAG', 'x')}_{name}_{key}.txt"),
+                 "w").write(text.getvalue())
