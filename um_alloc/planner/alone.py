@@ -42,7 +42,8 @@ TIMED_RUNS = 2  # the first run of a shape may pick kernels (cudnn.benchmark) an
 class AloneTime:
     """One unit call run by itself: its forward and its backward on the GPU's clock (the host's on
     the CPU), each from when the host began issuing it to when the GPU was done with it, and the
-    host's time of issuing the forward (what a rebuild's checks add to lands beyond the GPU's)."""
+    host's time of issuing the forward: a rebuild's checks in forward cost the step only where
+    they take the host past the GPU (UnitCost.added_to_forward_s)."""
     forward_s: float
     backward_s: float
     forward_cpu_s: float = 0.0

@@ -180,9 +180,10 @@ class UnitCost:
         Face Trainer's check of the loss for nan, a progress bar) the host cannot run ahead of
         the step, but within it a forward the GPU takes longer over than the host leaves the
         host ahead. On one H200 (bench/results/host_pace), GPT-2-medium with every block rebuilt
-        took the host 37 ms of forward against the GPU's 49, and the step 0.46 ms a block more
-        than kept, the rebuilds' kernels alone. BERT-Large on another H200 took the host 41.6 ms
-        against 35.3 kept, and 10 ms more of forward.
+        took the host 37 ms of forward against the GPU's 49, and the step 0.45 ms a block more
+        than kept: the rebuilds' kernels alone. BERT-Large with every block rebuilt, on another
+        H200 (bench/results/decision_costs), took the host 41.6 ms of forward, where the GPU's
+        kept forward took 35.3, and its forward ran 10 ms longer than kept.
 
         The rebuilds' host time in backward hides: a kept unit's backward runs no Python but
         theirs, and leaves the host ahead of the GPU, unlike the safe step's recomputed backward
