@@ -8,15 +8,17 @@ step left ResNet-50's base at 1.45 times stock's step at batch 176 on one H200, 
 record's at 1.27 times (bench/replay_predictions.py). A kept block runs none of that.
 
 So the probed step notes each distinct unit call (the module's class and the shapes, strides and
-dtypes of its tensor arguments: a block's, or a gap's) and, once that step is over and nothing
-is in flight, each one runs again by itself: its forward, then its backward to its inputs and
+dtypes of its tensor arguments: a block's, or a gap's) and, once that step is over and nothing is
+in flight, each one runs again by itself: its forward, then its backward to its inputs and
 parameters through torch.autograd.grad (no .grad is touched), twice, the second timed on CUDA
-events. Its tensor arguments are new tensors of the same shapes, strides and dtypes (random
-floating values; other tensors are the call's own), its buffers copies of the forward's, the
-RNG's state as it was, and autocast as the call had it. A call that fails (a unit that needs its
-real inputs, parameters only its wrapper gathers), whose outputs seen need no gradient (its
-backward would seem free), or that the budget cannot hold leaves its unit without the figures,
-and the base prices that unit from the safe step as before.
+events, and its forward on the host's clock too: where the GPU takes longer over a kept forward
+than the host, the host's checks for a rebuild hide (UnitCost.added_to_forward_s). Its tensor
+arguments are new tensors of the same shapes, strides and dtypes (random floating values; other
+tensors are the call's own), its buffers copies of the forward's, the RNG's state as it was, and
+autocast as the call had it. A call that fails (a unit that needs its real inputs, parameters only
+its wrapper gathers), whose outputs seen need no gradient (its backward would seem free), or that
+the budget cannot hold leaves its unit without the figures, and the base prices that unit from the
+safe step as before.
 """
 from __future__ import annotations
 
