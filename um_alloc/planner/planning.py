@@ -196,10 +196,9 @@ class UnitCost:
         (alone.py: the GPU's from when the host began issuing it). All of it where that run did
         not read the host's clock: the safe step's forward runs checkpoint's hooks and the
         recorder's, whose host time a kept forward does not have."""
-        host, gpu = self.alone_forward_cpu_s, self.alone_forward_s
-        if host <= 0 or gpu <= 0:
+        if self.alone_forward_cpu_s <= 0 or self.alone_forward_s <= 0:
             return cpu_s
-        return max(host + cpu_s, gpu) - max(host, gpu)
+        return _added_on_slower_clock(self.alone_forward_cpu_s, self.alone_forward_s, cpu_s, 0.0)
 
     def rerun_s(self, gpu_s: float) -> float:
         """What a recomputation adds to its unit's backward. The GPU runs the forward again, and the
@@ -214,8 +213,7 @@ class UnitCost:
     def added_to_backward_s(self, gpu_s: float, cpu_s: float) -> float:
         """What work of `gpu_s` on the GPU and `cpu_s` on the host adds to this unit's backward:
         its time on the slower clock, less what that clock already spent."""
-        both = max(self.backward_cpu_s + cpu_s, self.backward_s + gpu_s)
-        return both - max(self.backward_cpu_s, self.backward_s)
+        return _added_on_slower_clock(self.backward_cpu_s, self.backward_s, cpu_s, gpu_s)
 
     def allowed(self) -> tuple[Decision, ...]:
         """A block's decisions, or a gap's: keep or move, and rerun where the probed step timed
@@ -232,6 +230,12 @@ class UnitCost:
     def worth_planning(self) -> tuple[Decision, ...]:
         """The decisions a plan chooses from: a unit backward never reaches runs as it is."""
         return self.allowed() if self.backward_reaches else (Decision.KEEP,)
+
+
+def _added_on_slower_clock(host_s: float, gpu_s: float, more_host_s: float, more_gpu_s: float) -> float:
+    """What more work on each clock adds to a stretch the host and the GPU spent `host_s` and
+    `gpu_s` over: its time on the slower clock, less what that clock already spent."""
+    return max(host_s + more_host_s, gpu_s + more_gpu_s) - max(host_s, gpu_s)
 
 
 @dataclass(frozen=True)
