@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from um_alloc import rebuild as rebuild_module
-from um_alloc.planner import fused_tree
+from um_alloc.planner import fused_tree, rebuilt
 from um_alloc.planner.fused_tree import tree_program
 from um_alloc.planner.rebuilt import count_reads
 from um_alloc.rebuild import Call, Shared, Source
@@ -375,6 +375,8 @@ def test_a_planned_gpt2s_gelu_is_made_with_its_copy_in_one_kernel(pow_in_float32
     groups, init = [], fused_tree.FusedGroup.__init__
     monkeypatch.setattr(fused_tree.FusedGroup, "__init__", lambda group, entry, *args: groups.extend(
         [weakref.ref(group), weakref.ref(entry)]) or init(group, entry, *args))
+    walks, only_source = [], rebuilt.only_source
+    monkeypatch.setattr(rebuilt, "only_source", lambda call: walks.append(call) or only_source(call))
     gc.disable()  # what refcounting alone frees
     try:
         for seed in (3, 4):
@@ -392,6 +394,7 @@ def test_a_planned_gpt2s_gelu_is_made_with_its_copy_in_one_kernel(pow_in_float32
     assert sorted(name for name, _ in taken) == sorted(["tanh", "add", "mul", "mul"] * 3 * 2)
     assert all(made is not None for _, made in taken)
     assert not trees_launched  # no tree ran as its own kernel
+    assert not walks  # which recipes join, and which never do, was found in the planned steps before
     planner.remove()
 
 

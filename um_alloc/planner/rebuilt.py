@@ -571,6 +571,9 @@ class RebuiltSaves:
         found = members.get(place, _NOT_LOOKED)
         if found is _NOT_LOOKED:
             entry = only_source(rebuild.root)
+            if entry is None:  # it reads a parameter, a call or more than one tensor: it never joins
+                members[place] = None
+                return
             if not isinstance(entry, _MadeAgain):
                 return  # looked at again in a step that makes the copy again
             member = _group_member(rebuild, fused, dtype)
