@@ -5,6 +5,9 @@ time measured with that plan.
     python bench/replay_predictions.py                                  # every record under bench/results
     python bench/replay_predictions.py bench/results/zoo_new_models --json replay.json
 
+Records are a benchmark's (bench_planner, bench_trainer, bench_zoo, ...) or a summary that
+`bert_example/train.py --json` or `python -m um_alloc run --json` wrote under the planner.
+
 planning.py is pure data (no torch, no GPU), so a change to the cost model can be judged here, on
 every model, budget and host a benchmark has measured, before a GPU runs it. Per record:
 
@@ -58,12 +61,23 @@ def planner_records(paths: list[Path]):
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        records = [r for r in (data if isinstance(data, list) else [data]) if isinstance(r, dict)]
+        records = [_with_planner_fields(r) for r in (data if isinstance(data, list) else [data]) if isinstance(r, dict)]
         stock = {r.get("batch"): r["step_s_median"] for r in records
                  if r.get("method") == "stock" and r.get("step_s_median")}
         for r in records:
             if r.get("calibration") and isinstance(r.get("plan"), dict) and r["plan"].get("units"):
                 yield path, r, stock.get(r.get("batch"))
+
+
+def _with_planner_fields(record: dict) -> dict:
+    """A benchmark's record as it is; a summary bert_example/train.py wrote (its planner's figures
+    under "planner", as BlockPlanner.to_dict() gives them) with those figures where a benchmark's
+    record keeps them."""
+    planner = record.get("planner")
+    if record.get("calibration") or not isinstance(planner, dict):
+        return record
+    return {**record, "calibration": planner.get("calibration"), "plan": planner.get("plan"),
+            "planner_measured_step_s": planner.get("measured_step_s"), "margin_bytes": planner.get("margin_bytes")}
 
 
 def replay(record: dict, stock_step_s: float | None = None) -> dict | None:

@@ -38,6 +38,21 @@ def test_a_recorded_plan_is_priced_today_against_its_measured_step_and_stocks(tm
     assert "1 records of one input shape: median |error| 25.0%" in capsys.readouterr().out
 
 
+def test_a_summary_train_py_wrote_is_read_through_its_planners_figures(tmp_path):
+    """bert_example/train.py --json keeps BlockPlanner.to_dict() under "planner"."""
+    record = planner_record(measured_s=0.2)
+    planner = {"calibration": record["calibration"], "plan": record["plan"], "measured_step_s": 0.2,
+               "margin_bytes": record["margin_bytes"]}
+    summary = {"workload": "bert-large", "method": "um_alloc", "batch": 160, "step_s_median": 0.25,
+               "planner": planner}
+    (tmp_path / "train.json").write_text(json.dumps(summary))
+    out = tmp_path / "replay.json"
+    assert replay_predictions.main([str(tmp_path), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["model"], row["batch"], row["measured_s"]) == ("bert-large", 160, 0.2)  # the planner's clock
+    assert row["recorded_s"] == 0.5
+
+
 def test_the_decisions_costs_are_priced_on_stocks_step_too(tmp_path, capsys):
     """Where the file holds stock's step, the plan's decisions' costs on it, in place of the base,
     make a second error: what the base alone gets wrong shows."""
