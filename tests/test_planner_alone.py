@@ -89,6 +89,30 @@ class NeedsItsInput(nn.Module):
         return self.linear(x)
 
 
+def test_a_unit_runs_by_itself_under_the_tag_scopes_its_call_had():
+    """A spilled loss's scope (spill.py) was open when the head was called: run by itself after the
+    step, the head allocates under it again, and the scopes are as they were afterwards."""
+    from um_alloc import _lib
+    from um_alloc.tag_names import tag_index
+    from um_alloc.tags import OpenScopes, tag
+
+    lib, seen = _lib.load(), []
+
+    class Head(Counted):
+        def forward(self, x, scale=1.0):
+            seen.append((lib.um_large_tag(), lib.um_large_tag_min()))
+            return super().forward(x, scale)
+
+    head, calls = Head(8), _calls()
+    with tag("spill", "1MiB"):
+        _note(calls, 0, head, torch.randn(4, 8))
+    after_the_step = OpenScopes.now()
+    assert after_the_step.large_min == 0
+    assert 0 in calls.time()
+    assert seen == [(tag_index("spill"), 1 << 20)] * TIMED_RUNS
+    assert OpenScopes.now() == after_the_step
+
+
 def test_a_block_that_fails_by_itself_is_left_out_and_said_so(caplog):
     calls = _calls()
     _note(calls, 0, NeedsItsInput(), torch.rand(64, 8))

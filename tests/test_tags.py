@@ -8,7 +8,7 @@ import torch
 
 from um_alloc import _lib
 from um_alloc.tag_names import DEFAULT_TAG, TAGS, tag_index
-from um_alloc.tags import TrainingTags
+from um_alloc.tags import OpenScopes, TrainingTags, tag
 from um_alloc.tensor_trees import map_tensors, tensor_leaves, tensors
 
 
@@ -108,3 +108,16 @@ def test_one_walk_finds_the_tensors_of_nested_containers():
     Pair = collections.namedtuple("Pair", "p q")
     doubled = map_tensors(lambda t: t + 1, {"k": Pair(a, [b])})
     assert isinstance(doubled["k"], Pair) and doubled["k"].p.tolist() == [1.0]
+
+
+def test_open_scopes_are_put_back_for_a_while_and_then_left_as_they_were():
+    with tag("spill", "1MiB"), tag("other"):
+        then = OpenScopes.now()
+    assert then == OpenScopes(tag_index("other"), tag_index("spill"), 1 << 20)
+    before = OpenScopes.now()
+    assert before.large_min == 0 and before != then
+    with pytest.raises(RuntimeError, match="inside"):
+        with then.restored():
+            assert OpenScopes.now() == then
+            raise RuntimeError("inside")
+    assert OpenScopes.now() == before

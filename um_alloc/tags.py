@@ -6,6 +6,7 @@ importable from here.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -19,7 +20,7 @@ from .tag_names import DEFAULT_TAG, TAGS, tag_index
 from .tensor_trees import local_shard, tensors
 from .wrappers import unwrap_model, unwrap_optimizer
 
-__all__ = ["TAGS", "DEFAULT_TAG", "tag", "retag", "tag_module", "tag_optimizer", "tag_training",
+__all__ = ["TAGS", "DEFAULT_TAG", "tag", "OpenScopes", "retag", "tag_module", "tag_optimizer", "tag_training",
            "StepTags", "TrainingTags", "optimizer_params"]
 
 
@@ -47,6 +48,33 @@ def tag(name: str, min_size: int | str | None = None) -> Iterator[None]:
         yield
     finally:
         restore(*previous)
+
+
+@dataclass(frozen=True)
+class OpenScopes:
+    """The tag() scopes open at a moment: the tag every allocation gets, and the tag of those of at
+    least `large_min` bytes (0: no such scope). Taken with now() and put back for a while with
+    restored(), so that work done later allocates as work done then did: the planner runs a unit
+    by itself after a step under the scopes its call had (a spilled loss's, spill.py)."""
+    current: int
+    large: int
+    large_min: int
+
+    @classmethod
+    def now(cls) -> "OpenScopes":
+        lib = _lib.load()
+        return cls(lib.um_current_tag(), lib.um_large_tag(), lib.um_large_tag_min())
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        lib, before = _lib.load(), OpenScopes.now()
+        lib.um_set_current_tag(self.current)
+        lib.um_set_large_tag(self.large, self.large_min)
+        try:
+            yield
+        finally:
+            lib.um_set_current_tag(before.current)
+            lib.um_set_large_tag(before.large, before.large_min)
 
 
 def retag(obj: Any, name: str) -> int:

@@ -15,7 +15,9 @@ events, and its forward on the host's clock too: where the GPU takes longer over
 than the host, the host's checks for a rebuild hide (UnitCost.added_to_forward_s). Its tensor
 arguments are new tensors of the same shapes, strides and dtypes (random floating values; other
 tensors are the call's own), its buffers copies of the forward's, the RNG's state as it was, and
-autocast as the call had it. A call that fails (a unit that needs its real inputs, parameters only
+autocast and um_alloc's tag scopes as the call had them: a unit whose large temporaries a spilled
+loss's scope put in host memory (spill.py) runs so again, not in GPU memory the budget may not
+hold, where it would be priced at the GPU's pace besides. A call that fails (a unit that needs its real inputs, parameters only
 its wrapper gathers), whose outputs seen need no gradient (its backward would seem free), or that
 the budget cannot hold leaves its unit without the figures, and the base prices that unit from the
 safe step as before.
@@ -31,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..tags import OpenScopes
 from .rerun import AutocastState
 
 __all__ = ["AloneCalls", "AloneTime"]
@@ -77,6 +80,7 @@ class _Call:
         self.name, self.forward, self.buffers = name, forward, buffers
         self.parameters = [p for p in module.parameters() if p.requires_grad]
         self.autocast = AutocastState(device_type)
+        self.scopes = OpenScopes.now()
         leaves, self._spec = pytree.tree_flatten((args, kwargs))
         self._leaves = [_FreshTensor(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
                         if _floating(t) else t for t in leaves]
@@ -131,7 +135,8 @@ class AloneCalls:
         kept = call.buffers.swap_in()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), call.autocast.restored(), torch.enable_grad():
+            with (torch.random.fork_rng(devices=devices), call.autocast.restored(), call.scopes.restored(),
+                  torch.enable_grad()):
                 for _ in range(TIMED_RUNS):
                     marks = self._run(call)
                     self._synchronize()
