@@ -70,9 +70,9 @@ def planner_records(paths: list[Path]):
 
 
 def _with_planner_fields(record: dict) -> dict:
-    """A benchmark's record as it is; a summary bert_example/train.py wrote (its planner's figures
-    under "planner", as BlockPlanner.to_dict() gives them) with those figures where a benchmark's
-    record keeps them."""
+    """A benchmark's record as it is; a summary that train.py or the launcher wrote (its planner's
+    figures under "planner", as BlockPlanner.to_dict() gives them) with those figures where a
+    benchmark's record keeps them."""
     planner = record.get("planner")
     if record.get("calibration") or not isinstance(planner, dict):
         return record

@@ -16,11 +16,11 @@ than the host, the host's checks for a rebuild hide (UnitCost.added_to_forward_s
 arguments are new tensors of the same shapes, strides and dtypes (random floating values; other
 tensors are the call's own), its buffers copies of the forward's, the RNG's state as it was, and
 autocast and um_alloc's tag scopes as the call had them: a unit whose large temporaries a spilled
-loss's scope put in host memory (spill.py) runs so again, not in GPU memory the budget may not
-hold, where it would be priced at the GPU's pace besides. A call that fails (a unit that needs its real inputs, parameters only
-its wrapper gathers), whose outputs seen need no gradient (its backward would seem free), or that
-the budget cannot hold leaves its unit without the figures, and the base prices that unit from the
-safe step as before.
+loss's scope put in host memory (spill.py) puts them there again, not in GPU memory the budget may
+not hold. A call that fails (a unit that needs its real inputs, parameters only its wrapper
+gathers), whose outputs seen need no gradient (its backward would seem free), or that the budget
+cannot hold leaves its unit without the figures, and the base prices that unit from the safe step
+as before.
 """
 from __future__ import annotations
 
