@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 import bench_microbatch as mb
-from harness import RESULTS, new_run_id, write_result
+from harness import RESULTS, new_run_id, planner_fields, write_result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,21 +65,14 @@ def main(argv=None) -> None:
             record.update(method="stock+checkpointing", checkpointing=summary.get("checkpointing"))
         if summary is um:  # the search stops at the cap: a larger batch may train too
             record.update(largest_probe=args.um_max_batch, reached_largest_probe=um_batch >= args.um_max_batch,
-                          activation_offload=summary.get("activation_offload"), **planner_fields(summary))
+                          activation_offload=summary.get("activation_offload"),
+                          **planner_fields(summary.get("planner") or {}))
         print(f"wrote {write_result(f'scale-{args.budget}-{name}', record, args.out)}")
     print(f"\nlargest batch at {args.budget}: stock {stock['batch']} ({stock['samples_per_s']:.1f} samples/s), "
           f"every layer checkpointed {checkpointed['batch']} ({checkpointed['samples_per_s']:.1f}), "
           f"um_alloc {um['batch']} ({um['samples_per_s']:.1f}): {um['batch'] / stock['batch']:.1f}x stock's batch, "
           f"{um['batch'] / checkpointed['batch']:.1f}x checkpointing's"
           + (f" (um_alloc's search stops at --um-max-batch {args.um_max_batch})" if um_batch >= args.um_max_batch else ""))
-
-
-def planner_fields(summary: dict) -> dict:
-    """The plan, its measured step on the planner's own clock (forward to forward, as it predicts)
-    and what it came from: make_plan(calibration_from_dict(...), budget) plans it again."""
-    planner = summary.get("planner") or {}
-    return {"plan": planner.get("plan"), "planner_measured_step_s": planner.get("measured_step_s"),
-            "calibration": planner.get("calibration"), "trials": planner.get("trials")}
 
 
 if __name__ == "__main__":
