@@ -202,12 +202,11 @@ class Call:
             self.ahead.drop(self)
 
     def _run(self, fetch, device_type: str) -> torch.Tensor:
-        if self.fused is not None or self.ahead is not None:
-            out = self._fused(fetch, None)
-            if out is not None:
-                for nested in self.nested():
-                    nested.skip()
-                return out
+        out = self._fused(fetch, None)
+        if out is not None:
+            for nested in self.nested():
+                nested.skip()
+            return out
         return self.eager(fetch, device_type)
 
     def eager(self, fetch, device_type: str) -> torch.Tensor:
