@@ -162,6 +162,15 @@ def test_large_batch_policy_plans_with_host_optimizer_state_and_a_spilled_head(c
     assert result["spill_peak_bytes"] > 0 and result["spill_resident_bytes"] == 0  # logits lived in host memory
 
 
+def test_logits_made_again_from_the_heads_input_train_as_plain_training_does(cuda_device):
+    """recompute_logits: the first loss is plain training's bit for bit (forward is the same); the
+    gradients are the same to rounding, so the losses after it are close, not equal."""
+    for case, seen in _check("projected").items():
+        assert seen["lean_loss_projected"] == seen["lean_loss_calls"] > 0, case  # every loss took the head's input
+        assert seen["planned"][0] == seen["plain"][0], case
+        assert seen["planned"] == pytest.approx(seen["plain"], rel=1e-2), case
+
+
 def test_a_step_that_runs_out_of_memory_leaves_nothing_of_itself_live(cuda_device):
     """Whatever the decision, a step that ran out of memory in forward or in backward leaves none
     of its tensors live once its partial gradients are dropped: a loop that runs it again has the

@@ -191,7 +191,7 @@ def test_the_checkpoint_strategy_measures_each_input():
     planner.remove()
 
 
-def test_a_measuring_step_that_overflowed_costs_the_link_at_the_probes_rate():
+def test_a_measuring_step_whose_kernels_shared_the_link_costs_it_at_the_probes_rate():
     from um_alloc.planner.director import calibration_link
     probed = []
 
@@ -199,7 +199,34 @@ def test_a_measuring_step_that_overflowed_costs_the_link_at_the_probes_rate():
         probed.append(True)
         return 50e9
 
-    assert calibration_link((48e9, 52e9), 0, probe) == 48e9 and not probed  # the step's own copies, slower way
-    # Kernels reading overflowed memory shared the link with the copies: the probe says what a plan gets.
-    assert calibration_link((3.2e9, 3.5e9), 1 << 30, probe) == 50e9
-    assert calibration_link(None, 0, probe) == 50e9  # nothing copied
+    assert calibration_link((48e9, 52e9), False, probe) == 48e9 and not probed  # the step's own copies, slower way
+    # Kernels reading overflowed or spilled memory shared the link with the copies: the probe says what a plan gets.
+    assert calibration_link((3.2e9, 3.5e9), True, probe) == 50e9
+    assert calibration_link(None, False, probe) == 50e9  # nothing copied
+
+
+def test_the_memory_probe_tells_a_step_that_spilled_to_host_memory():
+    from um_alloc.planner.record import MemoryProbe
+
+    class Pool:  # the pool's counters as raw_stats() gives them; the rest untouched here
+        spills = 3
+
+        def raw_stats(self):
+            return {"tags": {"spill": {"allocations": self.spills}}}
+
+        def reset_device_peak(self):
+            pass
+
+        def device_backed(self):
+            return 0, 0
+
+        def device_held(self):
+            return 0, 0
+
+    probe = MemoryProbe(torch.device("cpu"))
+    probe._pool = Pool()
+    probe.begin_step()
+    assert not probe.spilled()
+    probe._pool.spills += 2  # the head's logits and their gradient, say
+    assert probe.spilled()
+    assert not MemoryProbe(torch.device("cpu")).spilled()  # no pool: nothing spills

@@ -87,6 +87,10 @@ class SchedulerSettings:
     lean_loss: bool = True                    # the block planner computes a large cross-entropy
                                               # inside the model's forward in row chunks
                                               # (um_alloc.planner.lean_loss)
+    recompute_logits: bool = False            # that cross-entropy makes a linear head's logits
+                                              # again in backward, a chunk at a time, and gives the
+                                              # head its gradients: the same to rounding, not bit
+                                              # for bit (um_alloc.planner.lean_loss)
     block_classes: tuple[str, ...] = ()       # class names of the block planner's blocks, where
                                               # its search finds none or the wrong ones; empty:
                                               # the search (um_alloc.planner.blocks)
@@ -217,6 +221,7 @@ _CONVERTERS: dict[type, dict[str, Converter]] = {
         "budget": _budget, "schedule_window": _size_or("auto"), "min_swap_size": _size(),
         "evict_live": _bool, "offload_activations": _bool, "spill_min_size": _size_or("none"),
         "strategy": _choice(STRATEGIES), "one_node_recompute": _bool, "chains": _bool, "lean_loss": _bool,
+        "recompute_logits": _bool,
         "block_classes": _class_names, "overflow": _size_or("auto", zero_is_none=True),
     },
     TagAdvice: {

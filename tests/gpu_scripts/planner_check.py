@@ -59,12 +59,13 @@ def step(model, optimizer, ids, seed):
     return train_step(model, optimizer, {"input_ids": ids, "labels": ids})
 
 
-def side_by_side(make, batch, decisions=None) -> tuple[dict, object]:
+def side_by_side(make, batch, decisions=None, **options) -> tuple[dict, object]:
     """Two models from `make` see the same six batches (`batch(generator)`) and seeds, one plain,
-    one planned, its loss chunked however small; their losses, and the planner."""
+    one planned (with the planner's `options`), its loss chunked however small; their losses, and
+    the planner."""
     plain, plain_opt = make()
     planned, planned_opt = make()
-    planner = um_alloc.plan(planned, budget="2GiB", decisions=decisions)
+    planner = um_alloc.plan(planned, budget="2GiB", decisions=decisions, **options)
     planner._runtime.lean_loss.min_bytes = 0  # the loss is small here: chunk it anyway, to compare
     data = torch.Generator().manual_seed(1)
     losses = {"plain": [], "planned": []}
@@ -607,23 +608,38 @@ def rebuild_gpt2() -> dict:
             "group_verdicts": list(fused_tree._GROUP_VERDICTS.values())}
 
 
-def large_batch() -> dict:
-    """large_batch.yaml's three parts at once: the planner, AdamW's moments in host memory mapped
-    for the GPU, and the MLM head's large allocations spilled to host memory (here those of at
-    least 1 MiB, so that the small model's logits spill)."""
-    def make():
-        model, optimizer = bert()
-        um_alloc.tag_training(model, optimizer)
-        um_alloc.spill_from(model.cls, min_size="1MiB")
-        return model, optimizer
+def spilled_bert():
+    """bert() with large_batch.yaml's parts: AdamW's moments in host memory mapped for the GPU,
+    and the MLM head's large allocations spilled to host memory (here those of at least 1 MiB, so
+    that the small model's logits spill)."""
+    model, optimizer = bert()
+    um_alloc.tag_training(model, optimizer)
+    um_alloc.spill_from(model.cls, min_size="1MiB")
+    return model, optimizer
 
-    losses, planner = side_by_side(make, lambda data: torch.randint(5, 1024, (16, 128), generator=data))
+
+def large_batch() -> dict:
+    """large_batch.yaml's three parts at once: the planner, and spilled_bert()'s two."""
+    losses, planner = side_by_side(spilled_bert, lambda data: torch.randint(5, 1024, (16, 128), generator=data))
     tags = um_alloc.memory_stats()["tags"]
     return {**losses, "plan": made_plan(planner).counts(), "spill_peak_bytes": tags["spill"]["peak_bytes"],
             "spill_resident_bytes": tags["spill"]["resident_bytes"]}
 
 
-MODES = {"equal": equal, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
+def projected() -> dict:
+    """The logits made again in backward from the head's input (recompute_logits): spilled_bert()'s
+    MLM head, and a small GPT-2's lm_head (tied to its embeddings, its logits upcast by the loss)."""
+    out = {}
+    for name, make, batch in (("bert_spilled", spilled_bert, lambda data: torch.randint(5, 1024, (16, 128), generator=data)),
+                              ("gpt2", small_gpt2, lambda data: torch.randint(0, 4096, (16, 256), generator=data))):
+        losses, planner = side_by_side(make, batch, recompute_logits=True)
+        summary = planner.to_dict()
+        out[name] = {**losses, "lean_loss_calls": summary["lean_loss_calls"],
+                     "lean_loss_projected": summary["lean_loss_projected"]}
+    return out
+
+
+MODES = {"equal": equal, "projected": projected, "compiled": compiled, "rebuild": rebuild, "one_node": one_node, "oom": oom,
          "overflow": overflow, "past_budget": past_budget, "lean": lean, "lengths": lengths, "arenas": arenas, "gpt2": gpt2,
          "large_batch": large_batch, "failed": failed, "pairs": pairs, "penalty": penalty, "attributes": attributes,
          "chain": chain, "rebuild_gpt2": rebuild_gpt2}

@@ -57,8 +57,24 @@ gives it. These models also return the sum as their output's ``logits``, alive w
 is, so forward holds it either way; backward no longer makes its fp32 gradient: 1.2 GB at BART's
 50,265 classes and 24 x 256 target tokens.
 
+**Logits made again from the head's input** (``recompute_logits``, off by default). Where the logits
+are the output of a linear layer (a language model's head, ``F.linear(hidden, weight, bias)``),
+backward can skip both the logits and their gradient: a chunk of rows at a time it makes the
+chunk's logits again from the head's input, their gradient, and from that the chunk's share of the
+head's gradients (input, weight and bias), so the loss hands the head its gradients directly and
+the head's own backward never runs. At BERT-Large batch 160 the bf16 logits are 5 GB: spilled to
+host memory (um_alloc.spill), the loss's backward wrote their gradient back over the link and the
+head's backward read it there, 1.3 s of a 2.6 s step on an H200 (bench/results/scale_8GiB). Made
+again, a chunk lives on the GPU for three matrix products. The forward's loss is the same bit for
+bit; the gradient is the same to rounding, not bit for bit (the products run a chunk of rows at a
+time, and the weight's gradient is their fp32 sum), so it is off where exactness is promised. The
+loss must be taken from the linear's output unchanged (views and an upcast allowed); a gradient of
+the logits themselves (``retain_grad``, a second loss on them) still flows through the head's own
+backward, which then runs as well.
+
 ``LeanLoss`` is a TorchFunctionMode: the planner enters it where a model computes its loss (after
-its last unit, inside its forward), so no code changes.
+its last unit, inside its forward), so no code changes; with ``recompute_logits`` also in the
+forward of the units that are not blocks, where a head's linear layer runs.
 """
 from __future__ import annotations
 
@@ -70,7 +86,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LeanLoss", "chunked_cross_entropy", "applies"]
+__all__ = ["LeanLoss", "chunked_cross_entropy", "projected_cross_entropy", "applies"]
 
 log = logging.getLogger("um_alloc.planner")
 
@@ -78,6 +94,9 @@ MiB = 1 << 20
 CHUNK_BYTES = 256 * MiB     # rows of the loss's dtype taken at once, in forward and in backward
 ALIGN_BYTES = 512           # a row of an upcast chunk starts where it would in the whole upcast, modulo this
 MIN_BYTES = 512 * MiB       # smaller logits are left to PyTorch: nothing worth saving
+# Rows of logits made again at once in backward (recompute_logits), in the loss's dtype: the chunk's
+# logits, their upcast, log-probabilities and gradient live together, four tensors this size.
+PROJECTED_CHUNK_BYTES = 64 * MiB
 
 
 def applies(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -160,47 +179,69 @@ class _Rows:
         return self.logits[start:end] if self.bias is None else self.rows(start, end)
 
 
+class _Picked(NamedTuple):
+    """What forward takes from the logits for the loss and for backward, a row each."""
+    picked: torch.Tensor               # the target's log-probability, in the loss's dtype
+    index: torch.Tensor                # the target class, 0 where the row is ignored
+    valid: torch.Tensor                # whether the row counts
+    row_max: torch.Tensor | None       # the row's largest logit and log(sum of exp) (see the
+    log_sum: torch.Tensor | None       # module docstring); None: backward makes log-softmax again
+
+
+def _pick(rows: _Rows, target: torch.Tensor, ignore_index: int, upcast: torch.Tensor | None) -> _Picked:
+    logits, dtype = rows.logits, rows.dtype
+    valid = target != ignore_index
+    index = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
+    picked = torch.empty(logits.size(0), 1, dtype=dtype, device=logits.device)
+    row_max = log_sum = None
+    if _may_subtract(rows):
+        row_max = torch.empty(logits.size(0), 1, dtype=dtype, device=logits.device)
+        log_sum = torch.empty_like(row_max)
+    for start, end in rows.spans():
+        chunk = rows.rows(start, end) if upcast is None else upcast[start:end]
+        log_probs = F.log_softmax(chunk, 1, dtype=dtype)  # as cross_entropy: autocast keeps it
+        torch.gather(log_probs, 1, index[start:end], out=picked[start:end])
+        if row_max is not None:
+            # At the row's largest logit, (x - max) - log(sum) is -log(sum), exactly. Where the
+            # loss only widens the logits, the narrow ones hold the same largest values, in half
+            # the bytes of an upcast; a bias moves them, so those rows are read from the sum.
+            values = logits[start:end] if rows.bias is None else chunk
+            largest, at = values.max(1, keepdim=True)
+            row_max[start:end] = largest
+            torch.gather(log_probs, 1, at, out=log_sum[start:end]).neg_()
+            if start == 0 and not _subtraction_matches(rows, values, log_probs, row_max[:end], log_sum[:end]):
+                row_max = log_sum = None
+    return _Picked(picked, index, valid, row_max, log_sum)
+
+
+def _nll(picked: _Picked, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    # nll_loss itself reduces the picked values: one column, class 0 where the row counts.
+    column_target = torch.where(picked.valid, torch.zeros_like(target), target)
+    return F.nll_loss(picked.picked, column_target, ignore_index=ignore_index, reduction=reduction)
+
+
+def _picked_gradient(grad: torch.Tensor, valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """nll_loss's gradient of each picked log-probability, -grad (sum) or -grad / counted rows
+    (mean), in nll_loss's dtype (fp32 under autocast), then in the log-probabilities' dtype."""
+    scale = grad / valid.sum().to(grad.dtype) if reduction == "mean" else grad
+    return torch.where(valid, -scale, torch.zeros_like(scale)).to(dtype).unsqueeze(1)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, rows, upcast):
-        dtype = rows.dtype
-        valid = target != ignore_index
-        index = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
-        picked = torch.empty(logits.size(0), 1, dtype=dtype, device=logits.device)
-        row_max = log_sum = None
-        if _may_subtract(rows):
-            row_max = torch.empty(logits.size(0), 1, dtype=dtype, device=logits.device)
-            log_sum = torch.empty_like(row_max)
-        for start, end in rows.spans():
-            chunk = rows.rows(start, end) if upcast is None else upcast[start:end]
-            log_probs = F.log_softmax(chunk, 1, dtype=dtype)  # as cross_entropy: autocast keeps it
-            torch.gather(log_probs, 1, index[start:end], out=picked[start:end])
-            if row_max is not None:
-                # At the row's largest logit, (x - max) - log(sum) is -log(sum), exactly. Where the
-                # loss only widens the logits, the narrow ones hold the same largest values, in half
-                # the bytes of an upcast; a bias moves them, so those rows are read from the sum.
-                values = logits[start:end] if rows.bias is None else chunk
-                largest, at = values.max(1, keepdim=True)
-                row_max[start:end] = largest
-                torch.gather(log_probs, 1, at, out=log_sum[start:end]).neg_()
-                if start == 0 and not _subtraction_matches(rows, values, log_probs, row_max[:end], log_sum[:end]):
-                    row_max = log_sum = None
-        # nll_loss itself reduces the picked values: one column, class 0 where the row counts.
-        column_target = torch.where(valid, torch.zeros_like(target), target)
-        ctx.save_for_backward(logits, index, valid, row_max, log_sum)
+        picked = _pick(rows, target, ignore_index, upcast)
+        ctx.save_for_backward(logits, picked.index, picked.valid, picked.row_max, picked.log_sum)
         ctx.rows, ctx.reduction = rows, reduction
         rows.logits = None  # saved above; backward takes it back from there
-        return F.nll_loss(picked, column_target, ignore_index=ignore_index, reduction=reduction)
+        return _nll(picked, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad):
         logits, index, valid, row_max, log_sum = ctx.saved_tensors
         rows = ctx.rows
         rows.logits = logits
-        # nll_loss's gradient of each picked log-probability, -grad (sum) or -grad / counted rows
-        # (mean), in nll_loss's dtype (fp32 under autocast), then in the log-probabilities' dtype.
-        scale = grad / valid.sum().to(grad.dtype) if ctx.reduction == "mean" else grad
-        picked_grad = torch.where(valid, -scale, torch.zeros_like(scale)).to(rows.dtype).unsqueeze(1)
+        picked_grad = _picked_gradient(grad, valid, ctx.reduction, rows.dtype)
         out = torch.empty_like(logits)
         if torch.is_grad_enabled():
             # create_graph: the gradient must itself have one, and max and log(sum) held as
@@ -225,6 +266,116 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                                                  picked_grad[:end], index[:end])
         rows.logits = None
         return out, None, None, None, None, None
+
+
+class Projection(NamedTuple):
+    """What logits were made by: ``F.linear(input, weight, bias)`` under `autocast` (device type,
+    whether on, dtype), its input as rows of the logits' rows."""
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    autocast: tuple[str, bool, torch.dtype]
+
+
+def projected_cross_entropy(logits: torch.Tensor, target: torch.Tensor, projection: Projection,
+                            ignore_index: int = -100, reduction: str = "mean", dtype: torch.dtype | None = None,
+                            phase: int = 0, upcast: torch.Tensor | None = None,
+                            chunk_bytes: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(logits.to(dtype), target, ...)`` where the 2-D `logits` are
+    ``F.linear(*projection[:3])``: forward reads the logits (and `upcast`, see
+    chunked_cross_entropy), and the loss is the same bit for bit; backward makes them again
+    `chunk_bytes` of rows at a time (in `dtype`; default PROJECTED_CHUNK_BYTES) from the
+    projection's input and gives the gradients of its input, weight and bias, not of the logits
+    (see the module docstring)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"projected_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    x, weight = projection.input, projection.weight
+    if x.dim() != 2 or x.size(0) != logits.size(0) or weight.dim() != 2 or weight.size(0) != logits.size(1):
+        raise ValueError(f"projected_cross_entropy: logits of shape {tuple(logits.shape)} are not F.linear of an "
+                         f"input of shape {tuple(x.shape)} and a weight of shape {tuple(weight.shape)}")
+    dtype = dtype or logits.dtype
+    rows = _Rows(logits.detach(), dtype, phase, CHUNK_BYTES)
+    step = max(1, (chunk_bytes or PROJECTED_CHUNK_BYTES) // max(rows.row_bytes, 1))
+    return _ProjectedCrossEntropy.apply(x, weight, projection.bias, target, ignore_index, reduction, rows,
+                                        None if upcast is None else upcast.detach(), projection.autocast, step)
+
+
+class _ProjectedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, ignore_index, reduction, rows, upcast, autocast, step):
+        picked = _pick(rows, target, ignore_index, upcast)
+        ctx.save_for_backward(x, weight, bias, picked.index, picked.valid, picked.row_max, picked.log_sum, target)
+        ctx.dtype, ctx.reduction, ctx.autocast, ctx.step = rows.dtype, reduction, autocast, step
+        ctx.ignore_index = ignore_index
+        rows.logits = None  # forward's alone: backward makes the logits again
+        return _nll(picked, target, ignore_index, reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            return _ProjectedCrossEntropy._differentiable_backward(ctx, grad)
+        x, weight, bias, index, valid, row_max, log_sum, _ = ctx.saved_tensors
+        picked_grad = _picked_gradient(grad, valid, ctx.reduction, ctx.dtype)
+        wants = ctx.needs_input_grad[:3]
+        grad_x = torch.empty_like(x) if wants[0] else None
+        grad_weight = grad_bias = None
+        device_type, enabled, autocast_dtype = ctx.autocast
+        # One autocast region for every chunk: it casts the weight once (its cast of a leaf is kept).
+        with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
+            w = weight.detach().requires_grad_(wants[1])
+            b = None if bias is None else bias.detach().requires_grad_(wants[2])
+            for start in range(0, x.size(0), ctx.step):
+                end = min(start + ctx.step, x.size(0))
+                rows_x = x[start:end].detach().requires_grad_(wants[0])
+                logits = F.linear(rows_x, w, b)
+                chunk = (slice(start, end), row_max, log_sum, picked_grad, index)
+                leaves = [t for t in (rows_x, w, b) if t is not None and t.requires_grad]
+                made = iter(torch.autograd.grad(logits, leaves, _gradient_made_again(logits.detach(), ctx.dtype, *chunk)))
+                if wants[0]:
+                    grad_x[start:end] = next(made)
+                if wants[1]:
+                    grad_weight = _summed(grad_weight, next(made))
+                if wants[2] and b is not None:
+                    grad_bias = _summed(grad_bias, next(made))
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _differentiable_backward(ctx, grad):
+        """create_graph (a gradient penalty): the gradient must itself have one. The whole
+        logits are made again, with a graph, and PyTorch's cross-entropy differentiated: the
+        memory of the plain loss, for a backward few steps take."""
+        x, weight, bias, _, _, _, _, target = ctx.saved_tensors
+        device_type, enabled, autocast_dtype = ctx.autocast
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
+            logits = F.linear(x, weight, bias)
+        loss = F.cross_entropy(logits.to(ctx.dtype), target, ignore_index=ctx.ignore_index, reduction=ctx.reduction)
+        wants = ctx.needs_input_grad[:3]
+        leaves = [t for t, want in zip((x, weight, bias), wants) if want]
+        made = iter(torch.autograd.grad(loss, leaves, grad, create_graph=True))
+        grads = [next(made) if want else None for want in wants]
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _gradient_made_again(values: torch.Tensor, dtype: torch.dtype, rows: slice, row_max, log_sum,
+                         picked_grad, index) -> torch.Tensor:
+    """The gradient of a chunk of logits made again (`values`), in their dtype: log-softmax's
+    backward of nll's gradient, the log-probabilities made in `dtype` from forward's max and
+    log(sum) where it kept them, else by log-softmax."""
+    if row_max is None:
+        log_probs = F.log_softmax(values, 1, dtype=dtype)
+    else:
+        log_probs = torch.sub(values.to(dtype), row_max[rows]).sub_(log_sum[rows])
+    grad_log_probs = torch.zeros_like(log_probs).scatter_(1, index[rows], picked_grad[rows])
+    grad = torch.ops.aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, dtype)
+    return grad.to(values.dtype)
+
+
+def _summed(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """A gradient summed over chunks, in fp32 at least."""
+    wide = torch.promote_types(part.dtype, torch.float32)
+    return part.to(wide) if total is None else total.add_(part)
 
 
 # (device, logits' dtype, loss's dtype, vocabulary) -> whether log-softmax's values are the
@@ -310,14 +461,19 @@ def _fused_gradient_matching(rows: _Rows, grad, values, row_max, log_sum, picked
 class LeanLoss(TorchFunctionMode):
     """While entered, cross_entropy calls the chunked version computes (see `applies`) go to it;
     every other call runs as it is. Of logits that are an upcast made while it is entered, the
-    chunked version takes the narrower tensor they were made from (see the module docstring)."""
+    chunked version takes the narrower tensor they were made from; with `recompute_logits`, of
+    logits a linear layer made while it was entered, the layer's input, weight and bias (see the
+    module docstring)."""
 
-    def __init__(self, min_bytes: int = MIN_BYTES):
+    def __init__(self, min_bytes: int = MIN_BYTES, recompute_logits: bool = False):
         super().__init__()
         self.min_bytes = min_bytes
+        self.recompute_logits = recompute_logits
         self.calls = 0             # cross-entropies computed in chunks
         self.upcast_calls = 0      # of them, those that took the narrower tensor of upcast logits
+        self.projected_calls = 0   # and those whose backward made the logits again from a linear's input
         self._upcasts = _Upcasts()
+        self._projections = _Projections()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -330,9 +486,19 @@ class LeanLoss(TorchFunctionMode):
             self.calls += 1
             logits, target = args[0], args[1]
             narrow = self._upcasts.source_of(logits)
+            projection = self._projection_of(logits if narrow is None else narrow)
             self._upcasts.clear()
+            self._projections.clear()
             if narrow is not None:
                 self.upcast_calls += 1
+            if projection is not None:
+                self.projected_calls += 1
+                return projected_cross_entropy(
+                    logits if narrow is None else narrow.tensor, target, projection,
+                    kwargs.get("ignore_index", _positional(args, 4, -100)),
+                    kwargs.get("reduction", _positional(args, 6, "mean")),
+                    dtype=logits.dtype, phase=logits.data_ptr() % ALIGN_BYTES,
+                    upcast=None if narrow is None else logits)
             return chunked_cross_entropy(logits if narrow is None else narrow.tensor, target,
                                          kwargs.get("ignore_index", _positional(args, 4, -100)),
                                          kwargs.get("reduction", _positional(args, 6, "mean")),
@@ -342,11 +508,27 @@ class LeanLoss(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in _UPCASTS_AND_VIEWS:
             self._upcasts.note(func, args, kwargs, out, self.min_bytes)
+        elif func is F.linear and self.recompute_logits:
+            self._projections.note(args, kwargs, out, self.min_bytes)
         return out
 
+    def _projection_of(self, logits) -> Projection | None:
+        """The linear layer `logits` (a tensor, or the Narrow of an upcast) are the unchanged
+        output of, where recompute_logits is on; None for logits widened by a bias."""
+        if not self.recompute_logits or (isinstance(logits, Narrow) and logits.bias is not None):
+            return None
+        return self._projections.of(logits.tensor if isinstance(logits, Narrow) else logits)
+
     def __exit__(self, *exc):
+        # A loss after the last unit takes logits a head noted inside it: those stay until the
+        # next loss, which clears them, as does a step's end (Runtime).
         self._upcasts.clear()
         return super().__exit__(*exc)
+
+    def forget(self) -> None:
+        """Drops what was noted: a step is over."""
+        self._upcasts.clear()
+        self._projections.clear()
 
 
 _CASTS = (torch.Tensor.float, torch.Tensor.double, torch.Tensor.to, torch.Tensor.type)
@@ -406,8 +588,52 @@ class _Upcasts:
         self._made[id(out)] = (weakref.ref(out), out._version, narrow, _versions(narrow))
 
 
-def _versions(narrow: Narrow) -> tuple[int, ...]:
-    return tuple(t._version for t in narrow if t is not None)
+class _Projections:
+    """Outputs of F.linear of at least min_bytes whose input or weight needs a gradient, with the
+    call that made them; a flattening view of one (``logits.view(-1, classes)``) stands for the
+    call with its input flattened alike. Of an input of more than two dimensions F.linear returns
+    a view of its 2-D product, so outputs are found by the tensor they view and the elements they
+    cover. Held weakly, and counted only while neither the output nor the call's tensors have
+    changed since (their version counters)."""
+
+    def __init__(self):
+        # id of the output's base -> (the base, held weakly; its version; the call; the call's
+        # tensors' versions; the output's first element's address, its size and its classes)
+        self._made: dict[int, tuple[weakref.ref, int, Projection, tuple[int, ...], tuple[int, int, int]]] = {}
+
+    def note(self, args: tuple, kwargs: dict, out, min_bytes: int) -> None:
+        x = args[0] if args else kwargs.get("input")
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+                and out.is_floating_point() and out.is_contiguous() and weight.dim() == 2
+                and (x.requires_grad or weight.requires_grad)
+                and out.numel() * out.element_size() >= min_bytes):
+            return
+        state = (out.device.type, torch.is_autocast_enabled(out.device.type), torch.get_autocast_dtype(out.device.type))
+        projection = Projection(x, weight, bias, state)
+        base = out if out._base is None else out._base
+        covers = (out.data_ptr(), out.numel(), out.size(-1))
+        self._made[id(base)] = (weakref.ref(base), out._version, projection, _versions(projection[:3]), covers)
+
+    def of(self, logits: torch.Tensor) -> Projection | None:
+        """The call 2-D `logits` are the unchanged output of, flattened, or None."""
+        base = logits if logits._base is None else logits._base
+        made = self._made.get(id(base))
+        if made is None or logits.dim() != 2 or not logits.is_contiguous():
+            return None
+        held, version, projection, versions, covers = made
+        if (held() is not base or base._version != version or _versions(projection[:3]) != versions
+                or (logits.data_ptr(), logits.numel(), logits.size(1)) != covers):
+            return None
+        return projection._replace(input=projection.input.reshape(-1, projection.input.size(-1)))
+
+    def clear(self) -> None:
+        self._made.clear()
+
+
+def _versions(tensors) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors if t is not None)
 
 
 def _cast_of(tensor: torch.Tensor, out: torch.Tensor) -> Narrow | None:

@@ -36,6 +36,7 @@ class MemoryProbe:
         self._pool = ChunkPool.for_device(device.index) if device.type == "cuda" and is_installed() else None
         self._backed_start = 0                       # the pool's GPU-backed bytes as the step began
         self._held_peak = 0                          # and the peak of those it held, this step
+        self._spills_start = 0                       # the pool's allocations tagged spill, as it began
 
     def begin_step(self) -> None:
         """A measured step begins: what the pool holds backed from here on is this step's."""
@@ -43,6 +44,14 @@ class MemoryProbe:
             self._pool.reset_device_peak()
             self._backed_start = self._pool.device_backed()[0]
             self._held_peak = self._pool.device_held()[1]
+            self._spills_start = self._spills()
+
+    def spilled(self) -> bool:
+        """Whether the step put allocations in host memory for its kernels to reach (um_alloc.spill)."""
+        return self._pool is not None and self._spills() > self._spills_start
+
+    def _spills(self) -> int:
+        return self._pool.raw_stats()["tags"]["spill"]["allocations"]
 
     def live(self) -> int:
         """GPU live bytes now; the peak is left as it is."""

@@ -181,7 +181,8 @@ class Runtime:
     """Wraps the units' forwards and the root's hooks; asks the director what each step does."""
 
     def __init__(self, model: nn.Module, units: list[Unit], device: torch.device, director: Director,
-                 window: int, min_bytes: int = MiB, lean_loss: bool = True, one_node_recompute: bool = True):
+                 window: int, min_bytes: int = MiB, lean_loss: bool = True, one_node_recompute: bool = True,
+                 recompute_logits: bool = False):
         self.model, self.units, self.device, self.director = model, units, device, director
         self.rest = len(units)                # the decision index of what is saved outside every unit
         self.min_bytes = min_bytes
@@ -203,7 +204,7 @@ class Runtime:
         self._open: Step | None = None       # the last step begun, until its backward ends
         self._where: int = self.rest          # the unit whose forward is running
         self._handles: list = []
-        self.lean_loss = LeanLoss() if lean_loss else None
+        self.lean_loss = LeanLoss(recompute_logits=recompute_logits) if lean_loss else None
         self._outside: list | None = None  # what runs outside every unit, in a step's forward
         self._cached: list = []               # the configs whose use_cache attach turned off
         # Per unit: whether it may be recomputed as one node (rerun.py); None until a call
@@ -425,6 +426,9 @@ class Runtime:
                                 functools.partial(_BuffersBefore, self._buffers[index]))
         start = step.mark("pre", index)
         outer, self._where = self._where, index
+        heads = self._heads_noted(index)
+        if heads is not None:
+            heads.__enter__()
         try:
             if decision is Decision.KEEP:
                 out = forward(*args, **kwargs)
@@ -446,6 +450,8 @@ class Runtime:
             step.oom = True
             raise
         finally:
+            if heads is not None:
+                heads.__exit__(None, None, None)
             self._where = outer
             if chain is not None and chain is not self._chain:
                 chain.close()
@@ -457,6 +463,13 @@ class Runtime:
         if step.moves or step.spec.recorder:  # copies back start, and marks are taken, as backward arrives
             self._on_backward(step, index, out)
         return out
+
+    def _heads_noted(self, index: int) -> LeanLoss | None:
+        """The chunked cross-entropy's mode, to enter around a gap's forward where the loss makes
+        logits again from a linear head's input (recompute_logits): a language model's head is a
+        gap, and the mode notes the linear layers it runs."""
+        lean = self.lean_loss
+        return lean if lean is not None and lean.recompute_logits and self.units[index].kind == "gap" else None
 
     def _reparametrized(self, index: int) -> bool:
         """Whether the unit runs with tensors swapped in for its parameters (torch.func.functional_call,
@@ -554,6 +567,8 @@ class Runtime:
         if self._chain is not None:
             self._chain.close()
         self._chain = self._last_out = self._last_call = None
+        if self.lean_loss is not None:
+            self.lean_loss.forget()  # a head's output no loss took by the forward's end
 
     def _note_link(self, step: Step, index: int, args: tuple, kwargs: dict) -> bool:
         """Whether this call takes the unit before's last output, unchanged, as its one argument.
