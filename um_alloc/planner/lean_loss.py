@@ -64,13 +64,15 @@ chunk's logits again from the head's input, their gradient, and from that the ch
 head's gradients (input, weight and bias), so the loss hands the head its gradients directly and
 the head's own backward never runs. At BERT-Large batch 160 the bf16 logits are 5 GB: spilled to
 host memory (um_alloc.spill), the loss's backward wrote their gradient back over the link and the
-head's backward read it there, 1.3 s of a 2.6 s step on an H200 (bench/results/scale_8GiB). Made
-again, a chunk lives on the GPU for three matrix products. The forward's loss is the same bit for
-bit; the gradient is the same to rounding, not bit for bit (the products run a chunk of rows at a
-time, and the weight's gradient is their fp32 sum), so it is off where exactness is promised. The
-loss must be taken from the linear's output unchanged (views and an upcast allowed); a gradient of
-the logits themselves (``retain_grad``, a second loss on them) still flows through the head's own
-backward, which then runs as well.
+head's backward read it there, 1.3 s of a 2.6 s step on an H200; made again, a chunk lives on the
+GPU for three matrix products, and the loss with the head's gradients took 0.31 s
+(bench/results/scale_8GiB/logits_made_again). The forward's loss is the same bit for bit; the
+gradient is the same to rounding, not bit for bit (the products run a chunk of rows at a time,
+and the weight's gradient is their fp32 sum), so it is off where exactness is promised. The loss
+must be taken from the linear's output unchanged (views and an upcast allowed). Another term of
+the logits (a z-loss) still reaches the head through the head's own backward, which then runs for
+it; the logits' own gradient (``retain_grad``) lacks the loss's share. A backward with
+``create_graph`` makes the whole logits again, with a graph.
 
 ``LeanLoss`` is a TorchFunctionMode: the planner enters it where a model computes its loss (after
 its last unit, inside its forward), so no code changes; with ``recompute_logits`` also in the
