@@ -44,7 +44,8 @@ def test_check_shipped_policies_exit_0():
     ("{budget: 4GiB, evict_live: true}", "reactive"),  # reactive only where the policy asks
     ("{budget: 4GiB, strategy: auto, block_classes: [UNetDown, UNetUp]}", "hard, block planner, blocks: UNetDown, UNetUp"),
     ("{budget: 4GiB, strategy: auto, lean_loss: false}", "hard, block planner, the model's own loss"),
-], ids=["reactive", "named-blocks", "own-loss"])
+    ("{budget: 4GiB, strategy: auto, recompute_logits: true}", "hard, block planner, logits made again in backward"),
+], ids=["reactive", "named-blocks", "own-loss", "logits-made-again"])
 def test_check_says_what_a_budget_does_under_the_policy(tmp_path, scheduler, mode):
     policy = tmp_path / "policy.yaml"
     policy.write_text(f"scheduler: {scheduler}\n")

@@ -53,6 +53,8 @@ def _budget_mode(scheduler) -> str:
         mode += ", no chains"
     if not scheduler.lean_loss:
         mode += ", the model's own loss"
+    elif scheduler.recompute_logits:
+        mode += ", logits made again in backward"
     if scheduler.block_classes:
         mode += f", blocks: {', '.join(scheduler.block_classes)}"
     return mode

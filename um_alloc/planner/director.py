@@ -820,7 +820,7 @@ def calibration_link(copied: tuple[float, float] | None, shared: bool, probe: Ca
     with them. Kernels writing a spilled head's logits to host memory for the first time
     (um_alloc.spill) did the same to the measuring step's copies: BERT-Large's batch 160 at 8 GiB
     on an H200 measured them at 6.6 GB/s, while its planned steps moved 8.3 GiB each way in
-    1.33 s (bench/results/scale_8GiB)."""
+    1.33 s (bench/results/scale_8GiB/logits_made_again)."""
     if copied and not shared:
         return min(copied)
     return probe()

@@ -595,8 +595,9 @@ class _Projections:
     call that made them; a flattening view of one (``logits.view(-1, classes)``) stands for the
     call with its input flattened alike. Of an input of more than two dimensions F.linear returns
     a view of its 2-D product, so outputs are found by the tensor they view and the elements they
-    cover. Held weakly, and counted only while neither the output nor the call's tensors have
-    changed since (their version counters)."""
+    cover. The outputs are held weakly, the call's tensors until the next loss or the step's end
+    (the layer's backward holds them anyway); a call counts only while neither its output nor its
+    tensors have changed since (their version counters)."""
 
     def __init__(self):
         # id of the output's base -> (the base, held weakly; its version; the call; the call's
