@@ -154,6 +154,42 @@ def test_a_planned_models_head_is_made_again_with_pytorchs_loss(make, autocast, 
     assert torch._C._len_torch_function_stack() == 0  # the mode left with each gap and the forward
 
 
+def test_under_fsdp2_the_heads_logits_are_not_made_again(monkeypatch, caplog):
+    """FSDP2 gathers a head's weight for the head's own backward, which made-again logits skip:
+    the loss takes the logits as they are, with PyTorch's gradients bit for bit."""
+    from um_alloc.planner import replay
+
+    monkeypatch.setattr(replay, "_sharded", lambda model, params: True)
+    model = tiny_bert(dropout=0.0)
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
+    plain_loss, plain = gradients(model, ids)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.KEEP)),
+                      window=1 << 20, min_bytes=1, recompute_logits=True)
+    runtime.lean_loss.min_bytes = 0
+    runtime.attach()
+    with caplog.at_level("WARNING", logger="um_alloc.planner"):
+        loss, planned = gradients(model, ids)
+    runtime.detach()
+    assert runtime.lean_loss.calls == 1 and runtime.lean_loss.projected_calls == 0
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(planned, plain))
+    assert sum("FSDP2" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def test_a_forward_without_a_loss_leaves_no_head_noted():
+    """A head's output no loss took (an evaluation with gradients on) is dropped at the forward's
+    end, with the input the note held."""
+    model = tiny_bert(dropout=0.0)
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.KEEP)),
+                      window=1 << 20, min_bytes=1, recompute_logits=True)
+    runtime.lean_loss.min_bytes = 0
+    runtime.attach()
+    logits = model(input_ids=torch.randint(0, 97, (4, 16))).logits
+    runtime.detach()
+    assert logits.requires_grad and runtime.lean_loss._projections._made == {}
+
+
 def test_recompute_logits_needs_the_lean_loss():
     with pytest.raises(ValueError, match="recompute_logits: needs lean_loss"):
         BlockPlanner(tiny_bert(), "1GiB", lean_loss=False, recompute_logits=True)

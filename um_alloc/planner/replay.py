@@ -205,6 +205,7 @@ class Runtime:
         self._where: int = self.rest          # the unit whose forward is running
         self._handles: list = []
         self.lean_loss = LeanLoss(recompute_logits=recompute_logits) if lean_loss else None
+        self._sharded_heads_noted = False     # whether FSDP2's turning recompute_logits off was said
         self._outside: list | None = None  # what runs outside every unit, in a step's forward
         self._cached: list = []               # the configs whose use_cache attach turned off
         # Per unit: whether it may be recomputed as one node (rerun.py); None until a call
@@ -467,9 +468,19 @@ class Runtime:
     def _heads_noted(self, index: int) -> LeanLoss | None:
         """The chunked cross-entropy's mode, to enter around a gap's forward where the loss makes
         logits again from a linear head's input (recompute_logits): a language model's head is a
-        gap, and the mode notes the linear layers it runs."""
+        gap, and the mode notes the linear layers it runs. Not under FSDP2, which gathers a
+        layer's weight for its own backward and reduces its gradient after it: with the logits
+        made again, the head's backward does not run."""
         lean = self.lean_loss
-        return lean if lean is not None and lean.recompute_logits and self.units[index].kind == "gap" else None
+        if lean is None or not lean.recompute_logits or self.units[index].kind != "gap":
+            return None
+        if _sharded(self.model, []):
+            if not self._sharded_heads_noted:
+                self._sharded_heads_noted = True
+                log.warning("um_alloc planner: recompute_logits is off for %s: FSDP2 shards it, and gathers a "
+                            "head's weight only for the head's own backward", type(self.model).__name__)
+            return None
+        return lean
 
     def _reparametrized(self, index: int) -> bool:
         """Whether the unit runs with tensors swapped in for its parameters (torch.func.functional_call,
