@@ -1,6 +1,8 @@
 """Logits made again in backward from a linear head's input (recompute_logits): PyTorch's loss
 bit for bit, its gradients to rounding, the head's own backward skipped, and PyTorch's own path
 wherever the logits are not a linear's unchanged output."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,17 @@ def loss_and_gradients(hidden, head, target, mode=None, reduction="mean", wide=N
         loss = loss + extra(logits)
     leaves = [hidden] + [p for p in head.parameters()]
     return loss, torch.autograd.grad(loss, leaves)
+
+
+def attached(model, decision):
+    """A Runtime on `model` running `decision` for every block, the head's logits made again and
+    the loss chunked however small, attached."""
+    units = find_units(model)
+    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, decision)),
+                      window=1 << 20, min_bytes=1, recompute_logits=True)
+    runtime.lean_loss.min_bytes = 0
+    runtime.attach()
+    return runtime
 
 
 def close(a, b, tolerance):
@@ -130,21 +143,18 @@ def test_a_gradient_of_the_gradient_is_pytorchs():
     assert close(out[1], out[0], 1e-12)
 
 
-@pytest.mark.parametrize("make,autocast,tolerance", [(tiny_bert, False, 1e-12), (tiny_gpt2, True, 2e-2)],
+@pytest.mark.parametrize("make,autocast,tolerance", [(functools.partial(tiny_bert, dropout=0.0), False, 1e-12),
+                                                      (tiny_gpt2, True, 2e-2)],
                          ids=["bert_fp64", "gpt2_bf16_autocast"])
 def test_a_planned_models_head_is_made_again_with_pytorchs_loss(make, autocast, tolerance):
     """BERT's MLM head (a gap) makes its logits from its transform's output; GPT-2's lm_head, in
     bf16 under autocast, has its logits upcast by transformers' loss. The planner notes the head's
     linear layer inside the gap's forward and the loss takes its input."""
-    model = make() if make is not tiny_bert else tiny_bert(dropout=0.0)
+    model = make()
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         plain_loss, plain = gradients(model, ids)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.RECOMPUTE)),
-                      window=1 << 20, min_bytes=1, recompute_logits=True)
-    runtime.lean_loss.min_bytes = 0
-    runtime.attach()
+    runtime = attached(model, Decision.RECOMPUTE)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss, planned = gradients(model, ids)
     runtime.detach()
@@ -163,11 +173,7 @@ def test_under_fsdp2_the_heads_logits_are_not_made_again(monkeypatch, caplog):
     model = tiny_bert(dropout=0.0)
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
     plain_loss, plain = gradients(model, ids)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.KEEP)),
-                      window=1 << 20, min_bytes=1, recompute_logits=True)
-    runtime.lean_loss.min_bytes = 0
-    runtime.attach()
+    runtime = attached(model, Decision.KEEP)
     with caplog.at_level("WARNING", logger="um_alloc.planner"):
         loss, planned = gradients(model, ids)
     runtime.detach()
@@ -180,11 +186,7 @@ def test_a_forward_without_a_loss_leaves_no_head_noted():
     """A head's output no loss took (an evaluation with gradients on) is dropped at the forward's
     end, with the input the note held."""
     model = tiny_bert(dropout=0.0)
-    units = find_units(model)
-    runtime = Runtime(model, units, torch.device("cpu"), Fixed(decisions_for(units, Decision.KEEP)),
-                      window=1 << 20, min_bytes=1, recompute_logits=True)
-    runtime.lean_loss.min_bytes = 0
-    runtime.attach()
+    runtime = attached(model, Decision.KEEP)
     logits = model(input_ids=torch.randint(0, 97, (4, 16))).logits
     runtime.detach()
     assert logits.requires_grad and runtime.lean_loss._projections._made == {}
