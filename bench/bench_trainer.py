@@ -8,6 +8,8 @@ Methods (each examples/hf_trainer_gpt2.py in a process of its own, bf16, seq 102
   gradient_checkpointing  PyTorch's allocator, TrainingArguments(gradient_checkpointing=True)
   planner                 um_alloc's UMAllocCallback with the budget: the block planner
   launcher                python -m um_alloc run --budget ...: the same, with no um_alloc line in the script
+  planner_remade_logits   the planner with scheduler.recompute_logits on: backward makes the head's logits
+                          again from its input, in chunks (not among the default methods)
 
 With --repeats N the methods run N times, alternated (stock, gradient_checkpointing, planner,
 launcher, stock, ...), so that a drift of the GPU's clocks or the host's load falls on all of them;
@@ -27,14 +29,15 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import (PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, planner_fields, ratio,
-                     refuse_bad_counts, write_result)
+from harness import (PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, planner_fields, ratio, raw_policy,
+                     refuse_bad_counts, with_scheduler, write_policy, write_result)
 
 from um_alloc.device_info import device_memory
 from um_alloc.sizes import format_size, parse_size
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer_gpt2.py"
 METHODS = ("stock", "gradient_checkpointing", "planner", "launcher")
+VARIANTS = {"planner_remade_logits": ({"recompute_logits": True}, "planner.yaml, the head's logits made again in backward")}
 
 
 def command(method: str, args, result: Path, report: Path) -> list[str]:
@@ -45,8 +48,17 @@ def command(method: str, args, result: Path, report: Path) -> list[str]:
         return [sys.executable, str(EXAMPLE), "--gradient-checkpointing", *common]
     if method == "planner":
         return [sys.executable, str(EXAMPLE), "--budget", args.budget, *common]
+    if method in VARIANTS:
+        return [sys.executable, str(EXAMPLE), "--budget", args.budget, "--policy", str(variant_policy(method, args)),
+                *common]
     return [sys.executable, "-m", "um_alloc", "run", "--budget", args.budget, "--json", str(report),
             str(EXAMPLE), *common]
+
+
+def variant_policy(method: str, args) -> Path:
+    """planner.yaml with the variant's scheduler keys, written beside the records."""
+    keys, what = VARIANTS[method]
+    return write_policy(args.out_dir / "policies", method, with_scheduler(raw_policy("planner"), **keys), what)
 
 
 def example_args(args, result: Path) -> list[str]:
@@ -138,11 +150,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     budget = parse_size(args.budget, key="--budget", source="command line")
     methods = args.methods.split(",")
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted(set(methods) - set(METHODS) - set(VARIANTS))
     if unknown:
-        p.error(f"--methods: unknown {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
+        p.error(f"--methods: unknown {', '.join(unknown)}; allowed: {', '.join((*METHODS, *VARIANTS))}")
     refuse_bad_counts(p, args)
     run_id = new_run_id("trainer")
+    args.out_dir = args.out or RESULTS / run_id
     runs = alternated(methods, args.repeats, lambda method: run_example(
         lambda result, report: command(method, args, result, report), args.timeout))
     records = [record(m, runs[m], args, run_id, None if m == "stock" else budget) for m in methods]
@@ -151,7 +164,7 @@ def main(argv=None) -> int:
     for r in records:
         r["ratio_vs_stock"] = ratio(r["samples_per_s"], stock)
         r["ratio_vs_gradient_checkpointing"] = ratio(r["samples_per_s"], peer)
-    write_result(f"trainer_gpt2_{args.budget}", records, args.out or RESULTS / run_id)
+    write_result(f"trainer_gpt2_{args.budget}", records, args.out_dir)
     print(f"\nGPT-2-medium b{args.batch} through Trainer, budget {format_size(budget)}, run {run_id}")
     for r in records:
         rate = "failed" if r["samples_per_s"] is None else f"{r['samples_per_s']:.1f}"

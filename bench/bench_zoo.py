@@ -30,6 +30,9 @@ With --plain-loss, also planner_plain_loss: the planner with its chunked cross-e
 (scheduler.lean_loss: false), the model's loss left to PyTorch (a loss the loop takes, as with
 zoo_train.py --loop-loss, is PyTorch's either way).
 
+With --remade-logits, also planner_remade_logits: the planner with scheduler.recompute_logits on,
+its chunked cross-entropy making a linear head's logits again from the head's input in backward.
+
 Records (the protocol's fields, with the model, the peers' k, the planner's plan, predicted step
 time and calibration, each method's ratio to the fastest peer that fits, and the GPU's clocks as its
 first run's timed steps began and ended) share one run_id and go to
@@ -196,6 +199,9 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
         variants["planner_recompute"] = ({"strategy": "checkpoint"}, "planner.yaml, every block recomputed")
     if args.plain_loss:
         variants["planner_plain_loss"] = ({"lean_loss": False}, "planner.yaml, the loss left to PyTorch")
+    if args.remade_logits:
+        variants["planner_remade_logits"] = ({"recompute_logits": True},
+                                             "planner.yaml, the head's logits made again in backward")
     for method, (keys, what) in variants.items():
         policy = write_policy(args.out_dir / "policies", method, with_scheduler(raw_policy("planner"), **keys), what)
         runs[method] = []
@@ -299,6 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "costs (see above)")
     p.add_argument("--plain-loss", action="store_true", help="also the planner with its chunked cross-entropy off "
                    "(see above)")
+    p.add_argument("--remade-logits", action="store_true", help="also the planner with the head's logits made "
+                   "again in backward (see above)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     sys.path.insert(0, str(ZOO_TRAIN.parent))

@@ -72,3 +72,15 @@ def test_the_trainer_bench_gives_every_method_the_same_workload(tmp_path):
     for method, cmd in commands.items():
         assert cmd[-len(workload):] == workload, method
     assert commands["planner"][2:4] == ["--budget", "12GiB"] and commands["launcher"][4:6] == ["--budget", "12GiB"]
+
+
+def test_the_trainer_bench_runs_a_variant_under_planner_yaml_with_its_keys(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(budget="12GiB", batch=8, seq_len=1024, steps=20, warmup=6, out_dir=tmp_path)
+    cmd = bench_trainer.command("planner_remade_logits", args, tmp_path / "r.json", tmp_path / "x.json")
+    assert cmd[2:4] == ["--budget", "12GiB"] and cmd[4] == "--policy"
+    written = Path(cmd[5]).read_text()
+    assert "recompute_logits: true" in written and "strategy: auto" in written
+    assert cmd[-len(bench_trainer.example_args(args, tmp_path / "r.json")):] == \
+        bench_trainer.example_args(args, tmp_path / "r.json")

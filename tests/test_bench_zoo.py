@@ -327,6 +327,13 @@ def test_plain_loss_runs_the_planner_again_with_its_chunked_loss_off(monkeypatch
     assert plain_loss["budget_bytes"] == 12 * GiB and plain_loss["ratio_vs_fastest_peer"] is not None
 
 
+def test_remade_logits_runs_the_planner_again_with_the_heads_logits_made_again(monkeypatch, tmp_path):
+    stand_in, records = vit_at_0_6(monkeypatch, tmp_path, "--remade-logits", "--repeats", "1")
+    assert [r["method"] for r in records][-1] == "planner_remade_logits"
+    assert "recompute_logits: true" in (tmp_path / "policies" / "planner_remade_logits.yaml").read_text()
+    assert stand_in.runs.count("planner_remade_logits") == 1
+
+
 class Noisy(StandIn):
     """The stand-in, each run's samples/s but save_on_cpu's scaled by the next of `factors` (the
     host's and the clocks' noise); the planner's second run runs out of memory."""
