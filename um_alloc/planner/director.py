@@ -276,7 +276,12 @@ class BlockPlanner:
                      "of the next step (this one's keyword arguments are not seen)" if partial
                      else _shape_text(signature))
         shape.probed = shape.probed or probes
-        self._new_layout(safe=True)  # before the recorder: its step's backed memory is measured from here
+        # Before the recorder: its step's backed memory is measured from here. The clean second
+        # step of an input repeats its probing step's layout in the arenas that step backed, whose
+        # pages are made: in new arenas the GPU's first write of each page would make it again,
+        # and the step would be timed with that (BERT-Large at batch 160 under 8 GiB: its spilled
+        # logits' 5 GB took 1.2 s more to write, bench/results/scale_8GiB/measuring_step/).
+        self._new_layout(safe=True, repeat=follows and self._last_safe)
         recorder = StepRecorder(self.device, self._probe, len(self.units) + 1,
                                 ahead=self._runtime.transfers.ahead_low_water)
         self._pending = (shape, recorder, probes)
@@ -322,14 +327,16 @@ class BlockPlanner:
             log.info("planner: a second derivative reached the model; planning again without selective recomputation")
             self._plan_again()
 
-    def _new_layout(self, safe: bool) -> None:
-        """Where a step lays its activations out anew (a safe step, the first planned step after
-        one, any step after one that ran out of memory or overflowed), the step arenas the last
-        layout left backed are given back first (arenas.py): its free chunks, scattered where the
-        new layout wants other sizes, would otherwise hold budget that the new layout's requests
-        cannot use. Every step may overflow to host memory, a measuring one too: the pool counts
-        overflowed bytes as live, so its peaks are still what the step asked of the GPU."""
-        if safe or self._last_safe or self._lay_out_anew:
+    def _new_layout(self, safe: bool, repeat: bool = False) -> None:
+        """Where a step lays its activations out anew (a safe step that does not `repeat` the
+        safe step before it, the first planned step after one, any step after one that ran out
+        of memory or overflowed), the step arenas the last layout left backed are given back
+        first (arenas.py): its free chunks, scattered where the new layout wants other sizes,
+        would otherwise hold budget that the new layout's requests cannot use. Every step may
+        overflow to host memory, a measuring one too: the pool counts overflowed bytes as live,
+        so its peaks are still what the step asked of the GPU."""
+        anew = not repeat if safe else self._last_safe
+        if anew or self._lay_out_anew:
             released = self._runtime.arenas.release()
             if released:
                 log.info("planner: %s of free arenas given back for a new layout", format_size(released))
