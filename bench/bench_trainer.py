@@ -29,15 +29,15 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import (PLANNER_SETTLING_STEPS, RESULTS, child_env, new_run_id, planner_fields, ratio, raw_policy,
-                     refuse_bad_counts, with_scheduler, write_policy, write_result)
+from harness import (PLANNER_SETTLING_STEPS, REMADE_LOGITS, RESULTS, child_env, new_run_id, planner_fields, ratio,
+                     raw_policy, refuse_bad_counts, with_scheduler, write_policy, write_result)
 
 from um_alloc.device_info import device_memory
 from um_alloc.sizes import format_size, parse_size
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer_gpt2.py"
 METHODS = ("stock", "gradient_checkpointing", "planner", "launcher")
-VARIANTS = {"planner_remade_logits": ({"recompute_logits": True}, "planner.yaml, the head's logits made again in backward")}
+VARIANTS = {"planner_remade_logits": REMADE_LOGITS}  # planner.yaml with other scheduler keys
 
 
 def command(method: str, args, result: Path, report: Path) -> list[str]:

@@ -55,9 +55,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import (PLANNER_SETTLING_STEPS, RESULTS, ROOT, Run, new_run_id, planner_fields, pooled, protocol_record,
-                     ratio, raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler, write_policy,
-                     write_result)
+from harness import (PLANNER_SETTLING_STEPS, REMADE_LOGITS, RESULTS, ROOT, Run, new_run_id, planner_fields, pooled,
+                     protocol_record, ratio, raw_policy, refuse_bad_counts, run_train, smallest_fitting, with_scheduler,
+                     write_policy, write_result)
 
 from um_alloc.sizes import format_size
 
@@ -200,8 +200,7 @@ def compare_at(model: str, args, budget: int, run_id: str, stock_peak: int | Non
     if args.plain_loss:
         variants["planner_plain_loss"] = ({"lean_loss": False}, "planner.yaml, the loss left to PyTorch")
     if args.remade_logits:
-        variants["planner_remade_logits"] = ({"recompute_logits": True},
-                                             "planner.yaml, the head's logits made again in backward")
+        variants["planner_remade_logits"] = REMADE_LOGITS
     for method, (keys, what) in variants.items():
         policy = write_policy(args.out_dir / "policies", method, with_scheduler(raw_policy("planner"), **keys), what)
         runs[method] = []

@@ -255,6 +255,10 @@ def write_result(name: str, record, out: Path = RESULTS) -> Path:
 
 # --- policies ----------------------------------------------------------------------------------
 
+# A planner variant both bench_zoo.py and bench_trainer.py run: (scheduler keys, what it is).
+REMADE_LOGITS = ({"recompute_logits": True}, "planner.yaml, the head's logits made again in backward")
+
+
 def raw_policy(name_or_path: str) -> dict:
     """A policy file's YAML as a dict (to copy with a setting changed)."""
     return yaml.safe_load(resolve_policy_path(name_or_path).read_text()) or {}
