@@ -493,20 +493,15 @@ class LeanLoss(TorchFunctionMode):
             self._projections.clear()
             if narrow is not None:
                 self.upcast_calls += 1
+            rows = logits if narrow is None else narrow.tensor
+            how = dict(ignore_index=kwargs.get("ignore_index", _positional(args, 4, -100)),
+                       reduction=kwargs.get("reduction", _positional(args, 6, "mean")),
+                       dtype=logits.dtype, phase=logits.data_ptr() % ALIGN_BYTES,
+                       upcast=None if narrow is None else logits)
             if projection is not None:
                 self.projected_calls += 1
-                return projected_cross_entropy(
-                    logits if narrow is None else narrow.tensor, target, projection,
-                    kwargs.get("ignore_index", _positional(args, 4, -100)),
-                    kwargs.get("reduction", _positional(args, 6, "mean")),
-                    dtype=logits.dtype, phase=logits.data_ptr() % ALIGN_BYTES,
-                    upcast=None if narrow is None else logits)
-            return chunked_cross_entropy(logits if narrow is None else narrow.tensor, target,
-                                         kwargs.get("ignore_index", _positional(args, 4, -100)),
-                                         kwargs.get("reduction", _positional(args, 6, "mean")),
-                                         dtype=logits.dtype, phase=logits.data_ptr() % ALIGN_BYTES,
-                                         upcast=None if narrow is None else logits,
-                                         bias=None if narrow is None else narrow.bias)
+                return projected_cross_entropy(rows, target, projection, **how)
+            return chunked_cross_entropy(rows, target, **how, bias=None if narrow is None else narrow.bias)
         out = func(*args, **kwargs)
         if func in _UPCASTS_AND_VIEWS:
             self._upcasts.note(func, args, kwargs, out, self.min_bytes)
